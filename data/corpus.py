@@ -1,0 +1,72 @@
+"""The built-in corpus: the Python standard library's own source files, tokenized once into a
+cache directory and reused. Nothing is downloaded; every Python installation carries this text."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import sys
+import sysconfig
+from pathlib import Path
+
+from data import tokenizer as tokenizers_
+from data.prepare import prepare
+from data.shards import MANIFEST
+
+CORPUS_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("REKINDLE_CACHE") or Path.home() / ".cache" / "rekindle")
+
+
+def source_files(max_bytes: int) -> list[Path]:
+    """Stdlib .py files (tests and site-packages excluded) in a fixed shuffled order, up to max_bytes."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and not any(part.startswith(("test", "idle_test")) for part in p.parts)
+    )
+    random.Random(0).shuffle(files)  # mix packages so the held-out tail resembles the rest
+    chosen, total = [], 0
+    for p in files:
+        if total >= max_bytes:
+            break
+        chosen.append(p)
+        total += p.stat().st_size
+    return chosen
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def ensure_builtin(vocab_size: int, megabytes: float, cache_dir: str | Path | None = None,
+                   progress: bool = True) -> Path:
+    """Return the directory of the prepared built-in corpus, building it on first use.
+
+    Safe to call from many processes at once: one builds under a file lock, the others wait and reuse it.
+    """
+    files = source_files(int(megabytes * 1e6))
+    if not files:
+        raise RuntimeError(f"no Python standard library sources found under {sysconfig.get_paths()['stdlib']}")
+    key = json.dumps([CORPUS_VERSION, sys.version_info[:2], vocab_size,
+                      [(p.name, p.stat().st_size) for p in files]])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    root = Path(cache_dir or default_cache_dir())
+    out = root / f"builtin-v{vocab_size}-{digest}"
+    if (out / MANIFEST).exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (out / MANIFEST).exists():
+            return out
+        if progress:
+            print(f"[data] building the built-in corpus: {len(files)} stdlib files -> {out}", file=sys.stderr)
+        tok = tokenizers_.train((_read(p) for p in files), vocab_size)
+        prepare((_read(p) for p in files), str(out), tok, progress=progress, total_docs=len(files))
+    return out

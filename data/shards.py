@@ -1,0 +1,225 @@
+"""The token shard format: write, read and verify.
+
+A prepared dataset is a directory (local path or fsspec URL) holding
+  shard-00000.bin   raw token ids (uint16 when the vocabulary fits, else uint32), documents EOS-separated
+  shard-00000.idx   int64 offsets of each document's first token inside the shard
+  manifest.json     format version, dtype, EOS id, tokenizer sha256, per-shard tokens/docs/sha256, stats
+  tokenizer.json    the tokenizer that produced the ids
+The manifest is written last, so a directory with a manifest is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+
+
+class ShardError(RuntimeError):
+    """A missing, truncated or corrupt shard or manifest."""
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    tokens: int
+    docs: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    version: int
+    dtype: str
+    eos_id: int
+    vocab_size: int
+    tokenizer_sha256: str
+    shards: list[ShardInfo]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+    @staticmethod
+    def from_json(text: str, where: str) -> Manifest:
+        try:
+            raw = json.loads(text)
+            shards = [ShardInfo(**s) for s in raw.pop("shards")]
+            manifest = Manifest(shards=shards, **raw)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ShardError(f"{where}: not a valid manifest ({e})") from e
+        if manifest.version != FORMAT_VERSION:
+            raise ShardError(f"{where}: manifest format version {manifest.version}, expected {FORMAT_VERSION}")
+        return manifest
+
+
+def dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "uint32"
+
+
+def join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocols
+
+
+def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Local: write a temp file and rename. Object stores have no rename; a PUT is atomic per object."""
+    if is_local(fs):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        fs.mv(tmp, path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+class ShardWriter:
+    """Accumulates tokenized documents and cuts a shard each time `shard_tokens` is reached."""
+
+    def __init__(self, root: str, vocab_size: int, eos_id: int, shard_tokens: int = 1 << 24) -> None:
+        self.root = root
+        self.fs, self.path = fsspec.core.url_to_fs(root)
+        self.fs.makedirs(self.path, exist_ok=True)
+        self.dtype = np.dtype(dtype_for(vocab_size))
+        self.vocab_size, self.eos_id, self.shard_tokens = vocab_size, eos_id, shard_tokens
+        self.shards: list[ShardInfo] = []
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+        self._counts = np.zeros(vocab_size, dtype=np.int64)
+
+    def add(self, ids: list[int]) -> None:
+        doc = np.empty(len(ids) + 1, dtype=self.dtype)
+        doc[:-1] = ids
+        doc[-1] = self.eos_id
+        self._pending.append(doc)
+        self._pending_tokens += len(doc)
+        if self._pending_tokens >= self.shard_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        tokens = np.concatenate(self._pending)
+        offsets = np.cumsum([0] + [len(d) for d in self._pending[:-1]], dtype=np.int64)
+        name = f"shard-{len(self.shards):05d}"
+        data = tokens.tobytes()
+        _atomic_write(self.fs, join(self.path, name + ".bin"), data)
+        _atomic_write(self.fs, join(self.path, name + ".idx"), offsets.tobytes())
+        self._counts += np.bincount(tokens, minlength=self.vocab_size)[: self.vocab_size]
+        self.shards.append(ShardInfo(name, len(tokens), len(offsets), hashlib.sha256(data).hexdigest()))
+        self._pending, self._pending_tokens = [], 0
+
+    def finish(self, tokenizer_json: bytes, stats: dict[str, Any] | None = None) -> Manifest:
+        self._flush()
+        if not self.shards:
+            raise ShardError(f"no tokens were written to {self.root}: the input is empty")
+        _atomic_write(self.fs, join(self.path, TOKENIZER), tokenizer_json)
+        p = self._counts[self._counts > 0] / self._counts.sum()
+        manifest = Manifest(
+            version=FORMAT_VERSION,
+            dtype=self.dtype.name,
+            eos_id=self.eos_id,
+            vocab_size=self.vocab_size,
+            tokenizer_sha256=hashlib.sha256(tokenizer_json).hexdigest(),
+            shards=self.shards,
+            stats={"unigram_entropy_nats": float(-(p * np.log(p)).sum()), **(stats or {})},
+        )
+        _atomic_write(self.fs, join(self.path, MANIFEST), json.dumps(asdict(manifest), indent=1).encode())
+        return manifest
+
+
+class ShardSet:
+    """Read access to the concatenated token stream of a prepared dataset.
+
+    Local shards are memory-mapped; remote shards are fetched whole on first use and kept in memory.
+    Each shard is checked against its size and sha256 the first time it is opened.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.fs, self.path = fsspec.core.url_to_fs(root)
+        manifest_path = join(self.path, MANIFEST)
+        try:
+            text = self.fs.cat_file(manifest_path).decode()
+        except FileNotFoundError as e:
+            raise ShardError(f"no {MANIFEST} in {root}: not a prepared dataset (run `python -m data.prepare`)") from e
+        self.manifest = Manifest.from_json(text, join(root, MANIFEST))
+        self.dtype = np.dtype(self.manifest.dtype)
+        self.starts = np.cumsum([0] + [s.tokens for s in self.manifest.shards], dtype=np.int64)
+        self._arrays: dict[int, np.ndarray] = {}
+        self._local = is_local(self.fs)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def tokenizer_json(self) -> bytes:
+        return self.fs.cat_file(join(self.path, TOKENIZER))
+
+    def _shard(self, i: int) -> np.ndarray:
+        arr = self._arrays.get(i)
+        if arr is None:
+            arr = self._open(i)
+            self._arrays[i] = arr
+        return arr
+
+    def _open(self, i: int) -> np.ndarray:
+        info = self.manifest.shards[i]
+        path = join(self.path, info.name + ".bin")
+        where = join(self.root, info.name + ".bin")
+        expected = info.tokens * self.dtype.itemsize
+        try:
+            if self._local:
+                size = os.path.getsize(path)
+                if size != expected:
+                    raise ShardError(f"shard {where} is {size} bytes, the manifest says {expected} (truncated?)")
+                arr = np.memmap(path, dtype=self.dtype, mode="r")
+                digest = hashlib.sha256(arr).hexdigest()
+            else:
+                data = self.fs.cat_file(path)
+                if len(data) != expected:
+                    raise ShardError(
+                        f"shard {where} is {len(data)} bytes, the manifest says {expected} (truncated?)"
+                    )
+                digest = hashlib.sha256(data).hexdigest()
+                arr = np.frombuffer(data, dtype=self.dtype)
+        except FileNotFoundError as e:
+            raise ShardError(f"shard {where} is missing") from e
+        if digest != info.sha256:
+            raise ShardError(
+                f"shard {where} fails its checksum (corrupt): sha256 {digest[:12]}…, expected {info.sha256[:12]}…"
+            )
+        return arr
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) of the concatenated stream, possibly spanning shards."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"token range [{start}, {start + length}) outside 0..{len(self)}")
+        out = np.empty(length, dtype=np.int64)
+        pos = 0
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while pos < length:
+            shard = self._shard(i)
+            lo = start + pos - int(self.starts[i])
+            n = min(length - pos, len(shard) - lo)
+            out[pos : pos + n] = shard[lo : lo + n]
+            pos += n
+            i += 1
+        return out

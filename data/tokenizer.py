@@ -1,0 +1,65 @@
+"""The tokenizer: train, save and load a byte-level BPE (`tokenizer.json`, Hugging Face `tokenizers`).
+
+Byte-level means every input string is encodable (no unknown token) and nothing is downloaded:
+the vocabulary is learned from the corpus on this machine."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS = "<|endoftext|>"
+
+
+def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Learn a byte-level BPE with `vocab_size` entries (EOS included) from `texts`."""
+    if vocab_size < 257 + 1:
+        raise ValueError(f"vocab_size must be at least 258 (256 bytes + EOS + 1 merge); got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def save(tok: Tokenizer, path: str | Path) -> str:
+    """Write tokenizer.json; returns its sha256."""
+    data = tok.to_str()
+    Path(path).write_text(data)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def load(path: str | Path) -> Tokenizer:
+    return Tokenizer.from_file(str(path))
+
+
+def from_bytes(data: bytes) -> Tokenizer:
+    return Tokenizer.from_str(data.decode())
+
+
+def eos_id(tok: Tokenizer) -> int:
+    token_id = tok.token_to_id(EOS)
+    if token_id is None:
+        raise ValueError(f"tokenizer has no {EOS} token")
+    return token_id
+
+
+def encode_batches(tok: Tokenizer, docs: Iterable[str], batch_docs: int = 256) -> Iterator[list[list[int]]]:
+    """Encode documents in batches (the Rust core spreads each batch over all cores)."""
+    batch: list[str] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == batch_docs:
+            yield [e.ids for e in tok.encode_batch(batch, add_special_tokens=False)]
+            batch = []
+    if batch:
+        yield [e.ids for e in tok.encode_batch(batch, add_special_tokens=False)]

@@ -1,0 +1,1 @@
+"""The supervisor around torchrun (elastic restarts, hang detection): not built yet."""

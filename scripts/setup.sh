@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates .venv and installs rekindle with its dev tools. Idempotent: a second run only checks.
+# On machines without a GPU, torch is pinned to the CPU build 2.13.0 first, so pip never reaches
+# for a multi-GB CUDA build. Set REKINDLE_TORCH to override the torch requirement.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${REKINDLE_VENV:-.venv}"
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "rekindle needs Python >= 3.10 (found: $("$PYTHON" --version 2>&1))" >&2
+  exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.rekindle-installed"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+if [ -n "${REKINDLE_TORCH:-}" ]; then
+  torch_req="$REKINDLE_TORCH"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  torch_req="torch>=2.6,<2.15"   # GPU machine: the default (CUDA) build
+else
+  torch_req="torch==2.13.0"      # CPU machine: the CPU build
+fi
+echo "[setup] installing $torch_req and rekindle[dev] into $VENV (about a minute or two)"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$torch_req"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+echo "$want" > "$stamp"

@@ -1,0 +1,42 @@
+"""Command line: `python -m trainer CONFIG [key=value ...]`, identical under
+`torchrun --nproc-per-node N -m trainer CONFIG [key=value ...]`."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m trainer CONFIG [key=value ...]
+       torchrun --nproc-per-node N -m trainer CONFIG [key=value ...]
+
+Trains the model described by CONFIG (a YAML file, see configs/) with any key overridden on the
+command line, e.g. `python -m trainer configs/smoke.yaml train.steps=20 run.dir=runs/try`.
+A run resumes from the newest committed checkpoint in checkpoint.dir unless checkpoint.resume=never."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    # Imported here so that `--help` and config errors answer before torch loads.
+    from trainer.config import ConfigError, load
+
+    try:
+        cfg = load(argv[0], argv[1:])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from data.shards import ShardError
+    from trainer.checkpoint import CheckpointError
+    from trainer.loop import NonFiniteError, train
+
+    try:
+        train(cfg)
+    except (ConfigError, ShardError, CheckpointError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

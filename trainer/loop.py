@@ -1,0 +1,195 @@
+"""The training loop, top to bottom: set-up, data, model, optimizer, resume, then per step
+batch -> forward/backward over micro-batches -> clip -> guard -> optimizer step -> log/eval/checkpoint."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from data.corpus import ensure_builtin
+from data.shards import ShardSet
+from data.stream import TokenStream
+from trainer import checkpoint, parallel
+from trainer.config import Config, ConfigError, validate
+from trainer.config import save as save_config
+from trainer.metrics import MetricsLog, memory_mb, peak_flops
+from trainer.model import ModelArgs, Transformer, cross_entropy
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to train.lr over warmup_steps, then cosine decay to train.min_lr at train.steps."""
+    t = cfg.train
+    if step <= t.warmup_steps:
+        return t.lr * step / max(t.warmup_steps, 1)
+    progress = (step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                             fused=device.type == "cuda")
+
+
+def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
+    path = cfg.data.path or str(ensure_builtin(cfg.model.vocab_size, cfg.data.builtin_mb,
+                                               cfg.data.cache_dir or None, progress=info.is_main))
+    shards = ShardSet(path)
+    if shards.manifest.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the dataset's "
+            f"tokenizer vocabulary ({shards.manifest.vocab_size}) in {path}"
+        )
+    return shards
+
+
+@torch.no_grad()
+def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo) -> float:
+    model.eval()
+    total = 0.0
+    for j in range(cfg.train.eval_batches):
+        batch = stream.val_batch(j).to(info.device)
+        for micro in batch.split(cfg.train.micro_batch):
+            with parallel.autocast(cfg.dist, info):
+                total += cross_entropy(model(micro[:, :-1]), micro[:, 1:]).item() * len(micro)
+    model.train()
+    n = cfg.train.eval_batches * stream.local_batch
+    return parallel.all_reduce_mean([total / n], info)[0]
+
+
+def train(cfg: Config) -> dict:
+    """Run (or resume) the training job described by cfg; returns the final summary."""
+    info = parallel.init_distributed(cfg.dist)
+    try:
+        return _train(cfg, info)
+    finally:
+        parallel.shutdown()
+
+
+def _train(cfg: Config, info: parallel.DistInfo) -> dict:
+    validate(cfg, info.world)
+    t, ck = cfg.train, cfg.checkpoint
+    accum = t.global_batch // (t.micro_batch * info.world)
+    run_dir = Path(cfg.run.dir)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    say = (lambda msg: print(f"[rekindle] {msg}", flush=True)) if info.is_main else (lambda msg: None)
+
+    # --- data
+    shards = open_dataset(cfg, info)
+    stream = TokenStream(shards, cfg.model.seq_len, t.global_batch, cfg.data.seed, info.rank, info.world,
+                         cfg.data.val_fraction)
+    entropy = shards.manifest.stats.get("unigram_entropy_nats", float("nan"))
+    say(f"data {shards.root}: {len(shards):,} tokens, {stream.n_train:,} train / {stream.n_val:,} held-out "
+        f"samples, unigram entropy {entropy:.3f} nats")
+
+    # --- model (same seed on every rank: identical full weights before sharding)
+    torch.manual_seed(cfg.run.seed)
+    model = Transformer(ModelArgs(**asdict(cfg.model)))
+    n_params, flops_per_token = model.num_params(), model.flops_per_token()
+    model = parallel.parallelize(model, cfg.dist, info)
+    optimizer = build_optimizer(model, cfg, info.device)
+    peak, peak_source = peak_flops(info.device, cfg.log.peak_tflops)
+    say(f"model {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOPs/token | world {info.world} "
+        f"({info.backend}, {parallel.compute_dtype(cfg.dist, info.device)}) | global batch {t.global_batch} "
+        f"= {info.world} ranks x {accum} micro x {t.micro_batch} | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
+
+    # --- resume
+    state = checkpoint.TrainState(world=info.world, config_sha256=cfg.sha256())
+    if ck.resume != "never":
+        latest = checkpoint.discover_latest(cfg.checkpoint_dir, info)
+        if latest is None and ck.resume == "required":
+            raise checkpoint.CheckpointError(
+                f"checkpoint.resume=required but no committed checkpoint in {cfg.checkpoint_dir}")
+        if latest is not None:
+            state = checkpoint.load(cfg.checkpoint_dir, latest, model, optimizer)
+            stream.load_state_dict(state.data or {})
+            say(f"resumed from step {state.step} ({checkpoint.step_dir(cfg.checkpoint_dir, latest)}, "
+                f"saved by {state.world} rank(s))")
+        else:
+            say("no checkpoint found: starting fresh")
+
+    # --- loop
+    metrics = MetricsLog(cfg.run.dir, t.steps, state.step, info.is_main, cfg.log.progress)
+    tokens_per_step = t.global_batch * cfg.model.seq_len
+    bad_steps, loss_sum, window_start, window_steps, data_wait = 0, 0.0, time.perf_counter(), 0, 0.0
+    eval_loss, run_start, start_step = float("nan"), time.perf_counter(), state.step
+    model.train()
+    while state.step < t.steps:
+        step = state.step + 1
+        data_start = time.perf_counter()
+        batch = stream.next_batch().to(info.device)
+        data_wait += time.perf_counter() - data_start
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        step_loss = torch.zeros((), device=info.device)
+        micros = batch.split(t.micro_batch)
+        for i, micro in enumerate(micros):
+            parallel.set_gradient_sync(model, i == len(micros) - 1)
+            with parallel.autocast(cfg.dist, info):
+                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:]) / len(micros)
+            loss.backward()
+            step_loss += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+
+        if math.isfinite(grad_norm):  # the norm is global: every rank takes the same branch
+            optimizer.step()
+            bad_steps = 0
+        else:
+            bad_steps += 1
+            metrics.event(f"step {step}: non-finite loss/gradient (norm {grad_norm}); step skipped "
+                          f"({bad_steps}/{t.max_bad_steps} in a row)")
+            if bad_steps >= t.max_bad_steps:
+                raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient "
+                                     f"(last at step {step}); lower train.lr or check the data")
+        optimizer.zero_grad(set_to_none=True)
+        state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
+        loss_sum += float(step_loss)
+        window_steps += 1
+        metrics.step(step)
+
+        is_last = step == t.steps
+        if (t.eval_every and step % t.eval_every == 0) or is_last:
+            eval_loss = evaluate(model, stream, cfg, info)
+        if step % t.log_every == 0 or is_last or (t.eval_every and step % t.eval_every == 0):
+            elapsed = time.perf_counter() - window_start
+            loss_mean, wait = parallel.all_reduce_mean([loss_sum / window_steps, data_wait], info)
+            tokens_per_s = tokens_per_step * window_steps / elapsed
+            record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / (peak * info.world)
+                      if peak else 0.0, "mem_mb": memory_mb(info.device), "step_time_s": elapsed / window_steps,
+                      "data_wait_s": wait / window_steps, "tokens": state.tokens_seen, "time": time.time()}
+            if (t.eval_every and step % t.eval_every == 0) or is_last:
+                record["eval_loss"] = eval_loss
+            metrics.log(record)
+            loss_sum, window_steps, data_wait, window_start = 0.0, 0, 0.0, time.perf_counter()
+        if (ck.every and step % ck.every == 0) or is_last:
+            state.data = stream.state_dict()
+            path = checkpoint.save(cfg.checkpoint_dir, state, model, optimizer, info)
+            if info.is_main:
+                checkpoint.prune(cfg.checkpoint_dir, ck.keep, ck.keep_every)
+            metrics.event(f"[rekindle] checkpoint step {step} -> {path}")
+    metrics.close()
+
+    wall = time.perf_counter() - run_start
+    steps_done = state.step - start_step
+    summary = {"steps": state.step, "steps_this_run": steps_done, "wall_s": wall, "eval_loss": eval_loss,
+               "unigram_entropy": entropy, "tokens_per_s": tokens_per_step * steps_done / wall if wall else 0.0}
+    say(f"done: {steps_done} steps in {wall:.1f}s ({summary['tokens_per_s']:,.0f} tok/s) | final eval loss "
+        f"{eval_loss:.3f} nats vs unigram entropy {entropy:.3f} nats")
+    return summary

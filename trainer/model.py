@@ -1,0 +1,170 @@
+"""A Llama-style decoder-only transformer in plain PyTorch: RMSNorm, RoPE, SwiGLU, causal SDPA,
+optional grouped KV heads and tied embeddings. Nothing about parallelism lives here (see parallel.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0 = n_heads
+    ffn_mult: float = 4.0
+    multiple_of: int = 32
+    vocab_size: int = 4096
+    seq_len: int = 256
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(self.ffn_mult * self.dim * 2 / 3)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim // 2) for rotary position embeddings."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); rotates interleaved pairs (x0, x1) by the position angle."""
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by index keeps parameter names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args.head_dim, args.seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.args.init_std
+        out_std = std / math.sqrt(2 * self.args.n_layers)  # residual projections (GPT-2 scheme)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=out_std)
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (batch, seq) int64 -> logits (batch, seq, vocab) in float32."""
+        t = tokens.shape[1]
+        if t > self.args.seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.args.seq_len}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h)).float()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward): 6 x matmul parameters
+        (the input embedding is a lookup; the output projection is a matmul even when tied)
+        plus attention scores 12 x layers x dim x seq_len (PaLM appendix B)."""
+        a = self.args
+        matmul_params = sum(
+            p.numel() for n, p in self.named_parameters() if p.dim() == 2 and "embeddings" not in n
+        )
+        if a.tie_embeddings:
+            matmul_params += a.vocab_size * a.dim
+        return 6.0 * matmul_params + 12.0 * a.n_layers * a.dim * a.seq_len
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))

@@ -1,0 +1,124 @@
+"""Every distributed concern of the trainer: process-group set-up (gloo on CPU, NCCL on GPU),
+FSDP2 `fully_shard` per block and on the root, mixed precision, per-block compile and activation
+checkpointing. The model module stays plain PyTorch; this module wraps it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.config import DistConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: DistConfig) -> DistInfo:
+    """Join the process group torchrun describes in the environment, or form a group of one.
+
+    backend=auto picks nccl when CUDA is available, else gloo. World size 1 works without torchrun.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("dist.backend=nccl needs CUDA, and none is available; use auto or gloo")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if backend == "nccl" else None)
+        else:
+            if world != 1:
+                raise RuntimeError("WORLD_SIZE > 1 but no MASTER_ADDR: launch several ranks with torchrun")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistInfo(rank=rank, world=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def compute_dtype(cfg: DistConfig, device: torch.device) -> torch.dtype:
+    """auto = bf16 on GPU, fp32 on CPU (CPUs here have no bf16 hardware: 10-100x slower)."""
+    if cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
+    """Apply activation checkpointing, compile and FSDP2 to a Transformer, in that order.
+
+    World size 1 skips FSDP (nothing to shard; torchtitan does the same) and relies on autocast
+    for mixed precision, see `autocast()`.
+    """
+    blocks = model.layers
+    if cfg.activation_checkpointing != "none":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, (name, block) in enumerate(list(blocks.items())):
+            if cfg.activation_checkpointing == "full" or i % 2 == 0:  # selective: every other block
+                blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if cfg.compile:
+        for block in blocks.values():
+            block.compile()
+    if info.world > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtype = compute_dtype(cfg, info.device)
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for i, block in enumerate(blocks.values()):
+            # The last block's parameters are needed right away by backward: keep them gathered.
+            fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(model, mp_policy=mp)
+    else:
+        model.to(info.device)
+    return model
+
+
+def autocast(cfg: DistConfig, info: DistInfo) -> contextlib.AbstractContextManager:
+    """Mixed precision for the unsharded (world size 1) case; FSDP2 handles it otherwise."""
+    dtype = compute_dtype(cfg, info.device)
+    if info.world > 1 or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(info.device.type, dtype=dtype)
+
+
+def all_reduce_mean(values: list[float], info: DistInfo) -> list[float]:
+    """Average a few scalars over all ranks (one collective)."""
+    if info.world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return (t / info.world).tolist()
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip FSDP's reduce-scatter on micro-batches before the last one of an accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
