@@ -58,8 +58,12 @@ def test_missing_config_file():
 
 def test_world_size_divisibility():
     cfg = config.load(SMOKE, ["train.global_batch=12", "train.micro_batch=4"])
-    with pytest.raises(ConfigError, match="micro_batch x world size"):
+    with pytest.raises(ConfigError, match=r"'train.micro_batch' \(4\) must divide the per-rank batch .* = 6"):
         config.validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"'train.global_batch' \(12\) must be a multiple of the world size \(5\)"):
+        config.validate(cfg, world_size=5)
+    config.validate(cfg, world_size=4)  # micro-batch capped at the per-rank batch of 3
+    assert config.micro_batch_size(cfg, 4) == 3 and config.micro_batch_size(cfg, 1) == 4
 
 
 def test_resolved_config_round_trips(tmp_path):

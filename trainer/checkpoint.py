@@ -11,9 +11,11 @@ DCP stores tensors and plain metadata; nothing is unpickled into code on load.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,11 +63,23 @@ def _storage(url: str, write: bool):
     return dcp.FileSystemWriter(path) if write else dcp.FileSystemReader(path)
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes a single process' when no_dist=True: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(root: str, state: TrainState, model: nn.Module, optimizer, info: DistInfo) -> str:
     """Collective: every rank writes its shards; rank 0 commits. Returns the step directory."""
     path = step_dir(root, state.step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_storage(path, write=True))
+    # A single process skips DCP's collectives: with them, a world-1 gloo run stayed ~13% slower
+    # for the rest of the run after its first save (measured; no_dist=True does not).
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_storage(path, write=True),
+                 no_dist=info.world == 1)
     dist.barrier()  # every rank's shards are written before anything is committed
     if info.is_main:
         fs, p = _fs(path)
@@ -122,12 +136,13 @@ def discover_latest(root: str, info: DistInfo) -> int | None:
     return choice[0]
 
 
-def load(root: str, step: int, model: nn.Module, optimizer) -> TrainState:
+def load(root: str, step: int, model: nn.Module, optimizer, info: DistInfo) -> TrainState:
     """Collective: load model and optimizer shards (resharded to this world size) and the train state."""
     path = step_dir(root, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=_storage(path, write=False))
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=_storage(path, write=False), no_dist=info.world == 1)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     fs, p = _fs(path)
     return TrainState(**json.loads(fs.cat_file(f"{p}/{TRAIN_STATE}")))

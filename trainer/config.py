@@ -282,11 +282,23 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"config key 'train.global_batch' ({t.global_batch}) must be a multiple of "
             f"train.micro_batch ({t.micro_batch})"
         )
-    if world_size is not None and t.global_batch % (t.micro_batch * world_size):
-        raise ConfigError(
-            f"config key 'train.global_batch' ({t.global_batch}) must be a multiple of "
-            f"train.micro_batch x world size ({t.micro_batch} x {world_size})"
-        )
+    if world_size is not None:
+        if t.global_batch % world_size:
+            raise ConfigError(
+                f"config key 'train.global_batch' ({t.global_batch}) must be a multiple of the world size "
+                f"({world_size})"
+            )
+        local, micro = t.global_batch // world_size, micro_batch_size(cfg, world_size)
+        if local % micro:
+            raise ConfigError(
+                f"config key 'train.micro_batch' ({t.micro_batch}) must divide the per-rank batch "
+                f"train.global_batch / world size = {t.global_batch} / {world_size} = {local}"
+            )
+
+
+def micro_batch_size(cfg: Config, world_size: int) -> int:
+    """train.micro_batch, capped at the per-rank batch so a config runs unchanged on more ranks."""
+    return min(cfg.train.micro_batch, cfg.train.global_batch // world_size)
 
 
 def save(cfg: Config, path: str | Path) -> None:

@@ -14,7 +14,7 @@ from data.corpus import ensure_builtin
 from data.shards import ShardSet
 from data.stream import TokenStream
 from trainer import checkpoint, parallel
-from trainer.config import Config, ConfigError, validate
+from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.metrics import MetricsLog, memory_mb, peak_flops
 from trainer.model import ModelArgs, Transformer, cross_entropy
@@ -55,12 +55,12 @@ def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
 
 
 @torch.no_grad()
-def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo) -> float:
+def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo, micro_batch: int) -> float:
     model.eval()
     total = 0.0
     for j in range(cfg.train.eval_batches):
         batch = stream.val_batch(j).to(info.device)
-        for micro in batch.split(cfg.train.micro_batch):
+        for micro in batch.split(micro_batch):
             with parallel.autocast(cfg.dist, info):
                 total += cross_entropy(model(micro[:, :-1]), micro[:, 1:]).item() * len(micro)
     model.train()
@@ -80,7 +80,8 @@ def train(cfg: Config) -> dict:
 def _train(cfg: Config, info: parallel.DistInfo) -> dict:
     validate(cfg, info.world)
     t, ck = cfg.train, cfg.checkpoint
-    accum = t.global_batch // (t.micro_batch * info.world)
+    micro_batch = micro_batch_size(cfg, info.world)
+    accum = t.global_batch // (micro_batch * info.world)
     run_dir = Path(cfg.run.dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
     peak, peak_source = peak_flops(info.device, cfg.log.peak_tflops)
     say(f"model {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOPs/token | world {info.world} "
         f"({info.backend}, {parallel.compute_dtype(cfg.dist, info.device)}) | global batch {t.global_batch} "
-        f"= {info.world} ranks x {accum} micro x {t.micro_batch} | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
+        f"= {info.world} ranks x {accum} micro x {micro_batch} | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
 
     # --- resume
     state = checkpoint.TrainState(world=info.world, config_sha256=cfg.sha256())
@@ -114,7 +115,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             raise checkpoint.CheckpointError(
                 f"checkpoint.resume=required but no committed checkpoint in {cfg.checkpoint_dir}")
         if latest is not None:
-            state = checkpoint.load(cfg.checkpoint_dir, latest, model, optimizer)
+            state = checkpoint.load(cfg.checkpoint_dir, latest, model, optimizer, info)
             stream.load_state_dict(state.data or {})
             say(f"resumed from step {state.step} ({checkpoint.step_dir(cfg.checkpoint_dir, latest)}, "
                 f"saved by {state.world} rank(s))")
@@ -137,7 +138,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             group["lr"] = lr
 
         step_loss = torch.zeros((), device=info.device)
-        micros = batch.split(t.micro_batch)
+        micros = batch.split(micro_batch)
         for i, micro in enumerate(micros):
             parallel.set_gradient_sync(model, i == len(micros) - 1)
             with parallel.autocast(cfg.dist, info):
@@ -165,7 +166,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
 
         is_last = step == t.steps
         if (t.eval_every and step % t.eval_every == 0) or is_last:
-            eval_loss = evaluate(model, stream, cfg, info)
+            eval_loss = evaluate(model, stream, cfg, info, micro_batch)
         if step % t.log_every == 0 or is_last or (t.eval_every and step % t.eval_every == 0):
             elapsed = time.perf_counter() - window_start
             loss_mean, wait = parallel.all_reduce_mean([loss_sum / window_steps, data_wait], info)

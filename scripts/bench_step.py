@@ -1,0 +1,103 @@
+"""Benchmark: the trainer's tokens/s against a bare PyTorch loop (nanoGPT style) on the same model,
+the same global batch and the same process count (one process), measured side by side in one run.
+
+    .venv/bin/python scripts/bench_step.py [--config configs/default.yaml] [--steps 60] [--rounds 2] [key=value ...]
+
+The bare loop has no data loading (pre-made random tokens), no metrics, no checkpoint; the trainer
+runs its real loop (data from the built-in corpus, logging, guard) with eval and checkpoints only at
+the end, whose window is left out. Both report the median tokens/s over windows of 10 steps after
+a warm-up window. Rounds alternate bare/trainer so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer import config as config_  # noqa: E402
+from trainer.loop import lr_at, train  # noqa: E402
+from trainer.model import ModelArgs, Transformer, cross_entropy  # noqa: E402
+
+WINDOW = 10
+
+
+def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
+    """nanoGPT-style loop: forward, loss, backward, clip, AdamW step. Returns tokens/s per window."""
+    torch.manual_seed(cfg.run.seed)
+    model = Transformer(ModelArgs(**asdict(cfg.model)))
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    batch = torch.randint(0, cfg.model.vocab_size, (t.global_batch, cfg.model.seq_len + 1))
+    accum = t.global_batch // t.micro_batch
+    rates, start = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        for micro in batch.split(t.micro_batch):
+            loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:]) / accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # the trainer syncs on the loss/grad norm each step too
+        if step % WINDOW == 0:
+            now = time.perf_counter()
+            rates.append(t.global_batch * cfg.model.seq_len * WINDOW / (now - start))
+            start = now
+    return rates[1:]  # the first window is warm-up
+
+
+def trainer_loop(cfg: config_.Config, steps: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.run.dir = tmp
+        run_cfg.checkpoint.dir = ""
+        run_cfg.train.steps = steps
+        run_cfg.train.log_every = WINDOW
+        run_cfg.train.eval_every = 0
+        run_cfg.checkpoint.every = 0
+        run_cfg.checkpoint.resume = "never"
+        run_cfg.log.progress = False
+        train(run_cfg)
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens_per_s"] for r in records[1:-1]]  # drop warm-up and the final (eval) window
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = config_.load(args.config, args.overrides)
+    print(f"model dim {cfg.model.dim} x {cfg.model.n_layers} layers, seq {cfg.model.seq_len}, global batch "
+          f"{cfg.train.global_batch} (micro {cfg.train.micro_batch}), {torch.get_num_threads()} threads, 1 process")
+    bare, ours = [], []
+    for r in range(args.rounds):
+        b = bare_loop(cfg, args.steps)
+        o = trainer_loop(cfg, args.steps)
+        print(f"round {r + 1}: bare {statistics.median(b):8,.0f} tok/s | trainer {statistics.median(o):8,.0f} tok/s")
+        bare += b
+        ours += o
+    ratio = statistics.median(ours) / statistics.median(bare)
+    print(f"median tokens/s: bare loop {statistics.median(bare):,.0f}, trainer {statistics.median(ours):,.0f} "
+          f"-> ratio {ratio:.3f} (goal >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()
