@@ -90,3 +90,14 @@ def test_torchrun_smoke_config_end_to_end(cache_dir, tmp_path):
     run_trainer(tmp_path, [], nproc=2)
     metrics = read_metrics(tmp_path)
     assert max(metrics) == 40 and all(r["loss"] > 0 for r in metrics.values())
+
+
+def test_non_finite_steps_are_skipped_then_abort_with_clear_error(cache_dir, tmp_path):
+    """An absurd learning rate blows the weights up after one step: every later gradient is NaN."""
+    proc = run_trainer(tmp_path, ["train.lr=1e30", "train.min_lr=0", "train.grad_clip=0", "train.warmup_steps=0",
+                                  "train.log_every=1", "train.max_bad_steps=3"], check=False)
+    assert proc.returncode == 1
+    assert "error: 3 steps in a row had a non-finite loss or gradient (last at step 4)" in proc.stderr
+    metrics = read_metrics(tmp_path)
+    assert metrics[1]["skipped_steps"] == 0 and metrics[3]["skipped_steps"] == 2
+    assert not (tmp_path / "checkpoints").exists()  # nothing bad was saved

@@ -125,7 +125,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
     # --- loop
     metrics = MetricsLog(cfg.run.dir, t.steps, state.step, info.is_main, cfg.log.progress)
     tokens_per_step = t.global_batch * cfg.model.seq_len
-    bad_steps, loss_sum, window_start, window_steps, data_wait = 0, 0.0, time.perf_counter(), 0, 0.0
+    bad_steps, skipped_total, loss_sum, window_start, window_steps, data_wait = 0, 0, 0.0, time.perf_counter(), 0, 0.0
     eval_loss, run_start, start_step = float("nan"), time.perf_counter(), state.step
     model.train()
     while state.step < t.steps:
@@ -153,6 +153,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             bad_steps = 0
         else:
             bad_steps += 1
+            skipped_total += 1
             metrics.event(f"step {step}: non-finite loss/gradient (norm {grad_norm}); step skipped "
                           f"({bad_steps}/{t.max_bad_steps} in a row)")
             if bad_steps >= t.max_bad_steps:
@@ -171,10 +172,13 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             elapsed = time.perf_counter() - window_start
             loss_mean, wait = parallel.all_reduce_mean([loss_sum / window_steps, data_wait], info)
             tokens_per_s = tokens_per_step * window_steps / elapsed
-            record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / (peak * info.world)
-                      if peak else 0.0, "mem_mb": memory_mb(info.device), "step_time_s": elapsed / window_steps,
-                      "data_wait_s": wait / window_steps, "tokens": state.tokens_seen, "time": time.time()}
+            record = {
+                "step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                "mfu": flops_per_token * tokens_per_s / (peak * info.world) if peak else 0.0,
+                "mem_mb": memory_mb(info.device), "step_time_s": elapsed / window_steps,
+                "data_wait_s": wait / window_steps, "tokens": state.tokens_seen, "skipped_steps": skipped_total,
+                "time": time.time(),
+            }
             if (t.eval_every and step % t.eval_every == 0) or is_last:
                 record["eval_loss"] = eval_loss
             metrics.log(record)
