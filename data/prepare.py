@@ -1,32 +1,64 @@
 """Raw text -> token shards + manifest.json + tokenizer.json.
 
     python -m data.prepare --input PATH_OR_URL [...] --output DIR_OR_URL [--tokenizer FILE | --vocab-size N]
+                           [--workers P] [--skip-bad] [--shard-tokens N]
 
 Inputs are `.txt` files (one document per file) or `.jsonl` files (one document per line, field
 `text`), optionally `.gz`-compressed, on local disk or any fsspec URL (`s3://`, `memory://`), with globs.
+Exact duplicate documents are dropped. Tokenization runs in P processes; the output is byte-identical
+for any P. The manifest records the lineage (every input with its size and sha256, the tokenizer, the
+shard size); re-running with an unchanged lineage over a finished output does nothing.
+Bad input (missing or empty file, invalid UTF-8, malformed JSON line) is an error naming the file and
+line, or with --skip-bad is skipped and counted in the manifest (`skipped_bad`, `skipped`).
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
+import multiprocessing
+import os
 import sys
+from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import fsspec
 from tqdm import tqdm
 
 from data import tokenizer as tokenizers_
-from data.shards import Manifest, ShardWriter
+from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
+
+MAX_SKIPPED_LISTED = 100  # the manifest lists this many skipped items; `skipped_bad` counts them all
 
 
 class InputError(ValueError):
     """Unreadable or malformed input, naming the file (and line)."""
 
 
-def expand_inputs(patterns: list[str]) -> list[str]:
-    """Resolve globs and directories into a sorted list of input URLs; missing inputs are an error."""
+@dataclass
+class BadInput:
+    """Collects bad input: raises InputError at the first one, or (skip=True) records it and goes on."""
+
+    skip: bool = False
+    count: int = 0
+    items: list[dict[str, str]] = field(default_factory=list)
+
+    def report(self, where: str, reason: str) -> None:
+        if not self.skip:
+            raise InputError(f"{where}: {reason}")
+        self.count += 1
+        if len(self.items) < MAX_SKIPPED_LISTED:
+            self.items.append({"where": where, "reason": reason})
+
+
+def expand_inputs(patterns: list[str], bad: BadInput | None = None) -> list[str]:
+    """Resolve globs and directories into a sorted list of input URLs; missing inputs are an error
+    (or, with a skipping `bad`, skipped and counted; no input at all is always an error)."""
+    bad = bad or BadInput()
     urls: list[str] = []
     for pattern in patterns:
         fs, path = fsspec.core.url_to_fs(pattern)
@@ -39,41 +71,106 @@ def expand_inputs(patterns: list[str]) -> list[str]:
             else:
                 files.append(m)
         if not files:
-            raise InputError(f"input {pattern!r} matches no file")
+            bad.report(repr(pattern), "input matches no file")
         urls += [protocol + f if protocol and not f.startswith(protocol) else f for f in sorted(files)]
+    if not urls:
+        raise InputError(f"input {' '.join(patterns)!r} matches no file")
     return urls
 
 
-def read_documents(url: str) -> Iterator[str]:
-    """Yield the documents of one input file."""
+def read_documents(url: str, bad: BadInput | None = None) -> Iterator[str]:
+    """Yield the documents of one input file; bad files/lines go to `bad` (default: raise InputError)."""
+    bad = bad or BadInput()
     try:
         with fsspec.open(url, "rb") as raw:
             data = raw.read()
-    except FileNotFoundError as e:
-        raise InputError(f"{url}: file not found") from e
+    except FileNotFoundError:
+        return bad.report(url, "file not found")
     if url.endswith(".gz"):
         try:
             data = gzip.decompress(data)
-        except OSError as e:
-            raise InputError(f"{url}: not a valid gzip file ({e})") from e
+        except (OSError, EOFError) as e:
+            return bad.report(url, f"not a valid gzip file ({e})")
+    if not data.strip():
+        return bad.report(url, "empty file")
     name = url[:-3] if url.endswith(".gz") else url
     if name.endswith(".jsonl"):
         for lineno, line in enumerate(data.split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad.report(f"{url}:{lineno}", f"invalid UTF-8 ({e.reason} at byte {e.start} of the line)")
+                continue
+            try:
                 text = json.loads(line)["text"]
             except (ValueError, KeyError, TypeError) as e:
-                raise InputError(f"{url}:{lineno}: malformed JSON line or no 'text' field ({e})") from e
+                bad.report(f"{url}:{lineno}", f"malformed JSON line or no 'text' field ({e})")
+                continue
             if not isinstance(text, str):
-                raise InputError(f"{url}:{lineno}: field 'text' is not a string")
+                bad.report(f"{url}:{lineno}", "field 'text' is not a string")
+                continue
             yield text
     else:
         try:
-            yield data.decode("utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             lineno = data[: e.start].count(b"\n") + 1
-            raise InputError(f"{url}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start})") from e
+            return bad.report(f"{url}:{lineno}", f"invalid UTF-8 ({e.reason} at byte {e.start})")
+        yield text
+
+
+def file_lineage(url: str) -> dict[str, Any]:
+    """{url, bytes, sha256} of one input file, streamed (never held in memory whole)."""
+    h, size = hashlib.sha256(), 0
+    with fsspec.open(url, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"url": url, "bytes": size, "sha256": h.hexdigest()}
+
+
+# --- parallel tokenization: one tokenizer per worker process, results consumed in submission order
+
+_worker_tok = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _worker_tok  # per-process worker state, set once by the pool initializer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # P processes x 1 thread, not P x all cores
+    _worker_tok = tokenizers_.from_bytes(tokenizer_json.encode())
+
+
+def _encode_chunk(docs: list[str]) -> list[list[int]]:
+    return [e.ids for e in _worker_tok.encode_batch(docs, add_special_tokens=False)]
+
+
+def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for doc in docs:
+        chunk.append(doc)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def encode_parallel(tok, docs: Iterable[str], workers: int, chunk_docs: int = 256) -> Iterator[list[list[int]]]:
+    """Encode documents in `workers` processes, yielding batches in input order (bounded read-ahead)."""
+    if workers <= 1:
+        yield from tokenizers_.encode_batches(tok, docs, chunk_docs)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads (s3fs, tqdm, rayon)
+    with ctx.Pool(workers, _init_worker, (tok.to_str(),)) as pool:
+        pending: deque = deque()
+        for chunk in _chunks(docs, chunk_docs):
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 4 * workers:
+                yield pending.popleft().get(timeout=600)
+        while pending:
+            yield pending.popleft().get(timeout=600)
 
 
 def prepare(
@@ -83,16 +180,19 @@ def prepare(
     shard_tokens: int = 1 << 24,
     progress: bool = True,
     total_docs: int | None = None,
+    workers: int = 1,
+    stats: dict[str, Any] | None = None,
+    bad: BadInput | None = None,
 ) -> Manifest:
-    """Tokenize `docs` with `tok` and write shards + manifest to `output`."""
+    """Tokenize `docs` with `tok` (in `workers` processes) and write shards + manifest to `output`.
+
+    `stats` (e.g. lineage) is merged into the manifest's stats; so is what `bad` skipped while `docs` was read."""
     writer = ShardWriter(output, tok.get_vocab_size(), tokenizers_.eos_id(tok), shard_tokens)
     seen: set[bytes] = set()
     duplicates = 0
 
     def unique(stream: Iterable[str]) -> Iterator[str]:
         nonlocal duplicates
-        import hashlib
-
         for doc in stream:
             key = hashlib.blake2b(doc.encode(), digest_size=16).digest()
             if key in seen:
@@ -102,12 +202,27 @@ def prepare(
             yield doc
 
     bar = tqdm(total=total_docs, unit="doc", desc="tokenize", disable=not progress, file=sys.stderr)
-    for batch in tokenizers_.encode_batches(tok, unique(docs)):
+    for batch in encode_parallel(tok, unique(docs), workers):
         for ids in batch:
             writer.add(ids)
         bar.update(len(batch))
     bar.close()
-    return writer.finish(tok.to_str().encode(), {"documents": len(seen), "duplicates_dropped": duplicates})
+    if not seen:
+        raise InputError(f"the input is empty: no documents to write to {output}")
+    skipped = {"skipped_bad": bad.count, "skipped": bad.items} if bad is not None else {}
+    return writer.finish(tok.to_str().encode(),
+                         {"documents": len(seen), "duplicates_dropped": duplicates, **skipped, **(stats or {})})
+
+
+def existing_lineage(output: str) -> dict[str, Any] | None:
+    """The lineage recorded in a finished output's manifest, or None (no or unreadable manifest)."""
+    fs, path = fsspec.core.url_to_fs(output)
+    if not fs.exists(f"{path.rstrip('/')}/{MANIFEST}"):
+        return None
+    try:
+        return ShardSet(output).manifest.stats.get("lineage")
+    except ShardError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,21 +233,48 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--tokenizer", help="an existing tokenizer.json")
     group.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the input")
     ap.add_argument("--shard-tokens", type=int, default=1 << 24)
+    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes (the output is the same for any)")
+    ap.add_argument("--skip-bad", action="store_true", help="skip and count bad files/lines instead of failing")
+    ap.add_argument("--force", action="store_true", help="rebuild even if the output's lineage matches")
+    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.workers < 1:
+        ap.error(f"--workers must be at least 1; got {args.workers}")
     try:
-        urls = expand_inputs(args.input)
-        docs = lambda: (d for u in urls for d in read_documents(u))  # noqa: E731
+        bad = BadInput(skip=args.skip_bad)
+        urls = expand_inputs(args.input, bad)
+        inputs = []
+        for u in urls:
+            try:
+                inputs.append(file_lineage(u))
+            except FileNotFoundError:
+                bad.report(u, "file not found")
+        urls = [i["url"] for i in inputs]
+        if args.tokenizer:
+            with open(args.tokenizer, "rb") as f:
+                tokenizer = {"file_sha256": hashlib.sha256(f.read()).hexdigest()}
+        else:
+            tokenizer = {"train_vocab_size": args.vocab_size}
+        lineage = {"format": FORMAT_VERSION, "inputs": inputs, "tokenizer": tokenizer,
+                   "shard_tokens": args.shard_tokens, "skip_bad": args.skip_bad}
+        if not args.force and existing_lineage(args.output) == lineage:
+            print(f"{args.output} is up to date (same inputs, tokenizer and settings): nothing to do")
+            return 0
+        docs = lambda b: (d for u in urls for d in read_documents(u, b))  # noqa: E731
         if args.tokenizer:
             tok = tokenizers_.load(args.tokenizer)
         else:
-            tok = tokenizers_.train(docs(), args.vocab_size)
-        manifest = prepare(docs(), args.output, tok, args.shard_tokens)
-    except (InputError, ValueError) as e:
+            tok = tokenizers_.train(docs(BadInput(skip=args.skip_bad)), args.vocab_size)
+        manifest = prepare(docs(bad), args.output, tok, args.shard_tokens, progress=not args.no_progress,
+                           workers=args.workers, stats={"lineage": lineage}, bad=bad)
+    except (InputError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    skipped = f", skipped {bad.count} bad file(s)/line(s)" if bad.count else ""
     print(
         f"wrote {len(manifest.shards)} shard(s), {manifest.total_tokens:,} tokens, "
-        f"{manifest.stats['documents']:,} documents to {args.output}"
+        f"{manifest.stats['documents']:,} documents ({manifest.stats['duplicates_dropped']:,} duplicates dropped"
+        f"{skipped}) to {args.output}"
     )
     return 0
 

@@ -6,6 +6,11 @@ A prepared dataset is a directory (local path or fsspec URL) holding
   manifest.json     format version, dtype, EOS id, tokenizer sha256, per-shard tokens/docs/sha256, stats
   tokenizer.json    the tokenizer that produced the ids
 The manifest is written last, so a directory with a manifest is complete.
+
+Reading: local shards are memory-mapped; remote shards (s3://, gs://, ... through fsspec) are fetched
+whole, verified, and kept in a small LRU cache, so memory stays bounded by `cache_shards` shards.
+The stream's block-shuffled order (data.stream) touches only a few shards at a time, so each remote
+shard is fetched about once per epoch.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -98,6 +104,9 @@ class ShardWriter:
         self.root = root
         self.fs, self.path = fsspec.core.url_to_fs(root)
         self.fs.makedirs(self.path, exist_ok=True)
+        manifest = join(self.path, MANIFEST)
+        if self.fs.exists(manifest):  # rewriting: the old manifest must not vouch for half-written new shards
+            self.fs.rm_file(manifest)
         self.dtype = np.dtype(dtype_for(vocab_size))
         self.vocab_size, self.eos_id, self.shard_tokens = vocab_size, eos_id, shard_tokens
         self.shards: list[ShardInfo] = []
@@ -149,12 +158,16 @@ class ShardWriter:
 class ShardSet:
     """Read access to the concatenated token stream of a prepared dataset.
 
-    Local shards are memory-mapped; remote shards are fetched whole on first use and kept in memory.
-    Each shard is checked against its size and sha256 the first time it is opened.
+    Local shards are memory-mapped and verified (size + sha256) the first time they are opened.
+    Remote shards are fetched whole, verified on every fetch, and kept in an LRU of `cache_shards` shards.
+    A ShardSet pickles without its open files, caches or filesystem handle (safe to send to worker processes).
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, cache_shards: int = 8) -> None:
+        if cache_shards < 1:
+            raise ValueError(f"cache_shards must be at least 1; got {cache_shards}")
         self.root = root
+        self.cache_shards = cache_shards
         self.fs, self.path = fsspec.core.url_to_fs(root)
         manifest_path = join(self.path, MANIFEST)
         try:
@@ -162,10 +175,30 @@ class ShardSet:
         except FileNotFoundError as e:
             raise ShardError(f"no {MANIFEST} in {root}: not a prepared dataset (run `python -m data.prepare`)") from e
         self.manifest = Manifest.from_json(text, join(root, MANIFEST))
+        self._setup(verified=set())
+
+    def _setup(self, verified: set[int]) -> None:
         self.dtype = np.dtype(self.manifest.dtype)
         self.starts = np.cumsum([0] + [s.tokens for s in self.manifest.shards], dtype=np.int64)
-        self._arrays: dict[int, np.ndarray] = {}
         self._local = is_local(self.fs)
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._verified = verified  # local shards whose checksum already matched
+        self.fetches = 0  # remote shard downloads so far (for tests and benchmarks)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"root": self.root, "cache_shards": self.cache_shards, "manifest": self.manifest,
+                "verified": set(self._verified)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.root, self.cache_shards, self.manifest = state["root"], state["cache_shards"], state["manifest"]
+        self.fs, self.path = fsspec.core.url_to_fs(self.root)
+        self._setup(verified=state["verified"])
+
+    def reopen(self) -> ShardSet:
+        """A copy with a fresh filesystem handle and empty cache (use one per process or thread)."""
+        clone = ShardSet.__new__(ShardSet)
+        clone.__setstate__(self.__getstate__())
+        return clone
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -173,11 +206,19 @@ class ShardSet:
     def tokenizer_json(self) -> bytes:
         return self.fs.cat_file(join(self.path, TOKENIZER))
 
+    def shard_of(self, token: int | np.ndarray) -> int | np.ndarray:
+        """Index of the shard holding stream position `token` (vectorized)."""
+        return np.searchsorted(self.starts, token, side="right") - 1
+
     def _shard(self, i: int) -> np.ndarray:
-        arr = self._arrays.get(i)
+        arr = self._cache.get(i)
         if arr is None:
             arr = self._open(i)
-            self._arrays[i] = arr
+            self._cache[i] = arr
+            while len(self._cache) > self.cache_shards:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(i)
         return arr
 
     def _open(self, i: int) -> np.ndarray:
@@ -191,9 +232,12 @@ class ShardSet:
                 if size != expected:
                     raise ShardError(f"shard {where} is {size} bytes, the manifest says {expected} (truncated?)")
                 arr = np.memmap(path, dtype=self.dtype, mode="r")
+                if i in self._verified:
+                    return arr
                 digest = hashlib.sha256(arr).hexdigest()
             else:
                 data = self.fs.cat_file(path)
+                self.fetches += 1
                 if len(data) != expected:
                     raise ShardError(
                         f"shard {where} is {len(data)} bytes, the manifest says {expected} (truncated?)"
@@ -206,7 +250,14 @@ class ShardSet:
             raise ShardError(
                 f"shard {where} fails its checksum (corrupt): sha256 {digest[:12]}…, expected {info.sha256[:12]}…"
             )
+        if self._local:
+            self._verified.add(i)
         return arr
+
+    def verify(self) -> None:
+        """Check every shard's size and checksum now (raises ShardError naming the first bad shard)."""
+        for i in range(len(self.manifest.shards)):
+            self._open(i)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start+length) of the concatenated stream, possibly spanning shards."""
@@ -214,7 +265,7 @@ class ShardSet:
             raise IndexError(f"token range [{start}, {start + length}) outside 0..{len(self)}")
         out = np.empty(length, dtype=np.int64)
         pos = 0
-        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        i = int(self.shard_of(start))
         while pos < length:
             shard = self._shard(i)
             lo = start + pos - int(self.starts[i])

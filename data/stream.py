@@ -2,10 +2,17 @@
 
 Sample i is tokens[i*L : i*L + L + 1] of the concatenated stream (inputs = first L, targets = last L).
 The last `val_fraction` of samples are held out for evaluation; the rest form the training set.
-The order of epoch e is a permutation that depends only on (seed, e); the infinite training stream
-is epoch 0's order, then epoch 1's, and so on. Global batch b is stream positions [b*B, (b+1)*B);
-rank r of W takes the contiguous slice [r*B/W, (r+1)*B/W) of it. The whole state is one integer,
-samples consumed, so any world size with the same global batch resumes the same global batches.
+The order of epoch e is a permutation that depends only on (seed, e) (and the dataset and L); the
+infinite training stream is epoch 0's order, then epoch 1's, and so on.
+
+The order is block-shuffled so that reads stay local: a training sample belongs to the block of the
+shard its first token lies in; epoch e permutes the blocks, cuts the permuted list into windows of
+`shuffle_window` blocks, and fully shuffles the samples inside each window. At any moment only the
+shards of one window (about 2 x shuffle_window) are being read, which a small shard cache holds.
+
+Global batch b is stream positions [b*B, (b+1)*B); rank r of W takes the contiguous slice
+[r*B/W, (r+1)*B/W) of it. The whole state is one integer, samples consumed, so any world size with the
+same global batch resumes the same global batches. data.loader adds worker processes on top.
 """
 
 from __future__ import annotations
@@ -17,9 +24,38 @@ import torch
 
 from data.shards import ShardSet
 
+ORDER = "block-window-v1"  # name of the sample order scheme, recorded in the data state
+
 
 class DataStateError(ValueError):
     """A saved data state that does not fit this dataset or batch layout."""
+
+
+def document_positions(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids for (B, T) tokens: 0 at the start of each row and right after each EOS, else +1."""
+    if tokens.dim() != 2:
+        raise ValueError(f"expected a (batch, time) tensor; got shape {tuple(tokens.shape)}")
+    b, t = tokens.shape
+    idx = torch.arange(t, dtype=torch.int64).expand(b, t)
+    starts = torch.zeros((b, t), dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eos_id
+    last_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - last_start
+
+
+@dataclass
+class BatchWithPositions:
+    """A training batch plus its document-boundary data, all aligned with the inputs tokens[:, :-1].
+
+    positions: (B, L) int64, 0 at each row start and after each EOS (for RoPE / position embeddings).
+    loss_mask: (B, L) bool, False where the input token is EOS, i.e. where the target is the first token of
+               the next document, which nothing in the (document-masked) context predicts.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    loss_mask: torch.Tensor
 
 
 @dataclass
@@ -28,6 +64,12 @@ class StreamState:
 
 
 class TokenStream:
+    """This rank's view of the global training order (see the module docstring).
+
+    `shuffle_window` blocks (shards) are mixed at a time; keep the ShardSet's `cache_shards` at least
+    2 x shuffle_window for remote data so each shard is fetched about once per epoch.
+    """
+
     def __init__(
         self,
         shards: ShardSet,
@@ -37,7 +79,10 @@ class TokenStream:
         rank: int = 0,
         world: int = 1,
         val_fraction: float = 0.01,
+        shuffle_window: int = 4,
     ) -> None:
+        if shuffle_window < 1:
+            raise ValueError(f"shuffle_window must be at least 1 block; got {shuffle_window}")
         if global_batch % world:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world}")
         self.shards, self.seq_len, self.global_batch = shards, seq_len, global_batch
@@ -53,8 +98,9 @@ class TokenStream:
                 f"fewer than one global batch ({global_batch}); use more data or a smaller batch"
             )
         self.state = StreamState()
-        self._order_epoch = -1
-        self._order = np.empty(0, dtype=np.int64)
+        self.shuffle_window = shuffle_window
+        self._block_of = shards.shard_of(np.arange(self.n_train, dtype=np.int64) * seq_len).astype(np.int32)
+        self._orders: dict[int, np.ndarray] = {}  # the last two epochs' orders (a batch may straddle them)
 
     @property
     def local_batch(self) -> int:
@@ -65,10 +111,16 @@ class TokenStream:
         return self.state.samples_consumed // self.n_train
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
+        """The training sample ids in epoch `epoch`'s order: a pure function of (seed, epoch)."""
+        order = self._orders.get(epoch)
+        if order is None:
             rng = np.random.default_rng([self.seed, epoch])
-            self._order, self._order_epoch = rng.permutation(self.n_train), epoch
-        return self._order
+            block_rank = rng.permutation(len(self.shards.manifest.shards))  # position of each block in the epoch
+            window = block_rank[self._block_of] // self.shuffle_window
+            order = np.lexsort((rng.random(self.n_train), window))  # by window, randomly inside a window
+            self._orders = {e: o for e, o in self._orders.items() if abs(e - epoch) == 1}
+            self._orders[epoch] = order
+        return order
 
     def _samples(self, indices: np.ndarray) -> torch.Tensor:
         rows = [self.shards.read(int(i) * self.seq_len, self.seq_len + 1) for i in indices]
@@ -89,6 +141,21 @@ class TokenStream:
         self.state.samples_consumed += self.global_batch
         return self._samples(indices)
 
+    def positions(self, batch: torch.Tensor) -> torch.Tensor:
+        """Position ids (B, seq_len) for the inputs batch[:, :-1]: reset to 0 after every EOS."""
+        return document_positions(batch[:, :-1], self.shards.manifest.eos_id)
+
+    def loss_mask(self, batch: torch.Tensor) -> torch.Tensor:
+        """(B, seq_len) bool: False for targets that start a new document (the input token is EOS)."""
+        return batch[:, :-1] != self.shards.manifest.eos_id
+
+    def with_positions(self, batch: torch.Tensor) -> BatchWithPositions:
+        return BatchWithPositions(batch, self.positions(batch), self.loss_mask(batch))
+
+    def next_batch_with_positions(self) -> BatchWithPositions:
+        """next_batch() plus position ids and loss mask (advances the stream exactly like next_batch)."""
+        return self.with_positions(self.next_batch())
+
     def val_batch(self, j: int) -> torch.Tensor:
         """This rank's slice of held-out batch j (a fixed set, cycled if the split is small)."""
         if self.n_val == 0:
@@ -103,12 +170,14 @@ class TokenStream:
             "seed": self.seed,
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
+            "order": f"{ORDER}/{self.shuffle_window}",
             "manifest_sha256": self.shards.manifest.sha256(),
+            "epoch": self.epoch,
         }
 
     def load_state_dict(self, state: dict) -> None:
         expected = self.state_dict()
-        for key in ("seed", "seq_len", "manifest_sha256"):
+        for key in ("seed", "seq_len", "order", "manifest_sha256"):
             if state.get(key) != expected[key]:
                 raise DataStateError(
                     f"saved data state has {key}={state.get(key)!r}, this run has {expected[key]!r}: "

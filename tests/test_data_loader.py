@@ -1,0 +1,113 @@
+"""BatchLoader (data.loader): worker processes give exactly the batches of repeated next_batch(), for
+any number of workers, and its state after k batches resumes without skipping or repeating samples
+even though workers had prefetched further. Document boundaries: position ids reset after each EOS
+and the loss mask drops targets that start a new document."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_data_s3 import local_dataset, upload  # noqa: F401  (module fixture reused here)
+
+from data.loader import BatchLoader
+from data.shards import ShardSet
+from data.stream import TokenStream, document_positions
+
+
+def make(shards, rank=0, world=1, batch=4) -> TokenStream:
+    return TokenStream(shards, seq_len=16, global_batch=batch, seed=5, rank=rank, world=world, val_fraction=0.05)
+
+
+def take(it, n: int) -> list[np.ndarray]:
+    return [next(it).numpy() for _ in range(n)]
+
+
+@pytest.mark.parametrize("world, rank", [(1, 0), (2, 1)])
+def test_workers_yield_the_same_batches_as_next_batch(local_dataset, world, rank):  # noqa: F811
+    ref = make(local_dataset, rank, world)
+    expected = [ref.next_batch().numpy() for _ in range(9)]
+    for workers in (0, 2):
+        with BatchLoader(make(local_dataset, rank, world), num_workers=workers) as loader:
+            got = take(loader, 9)
+            assert loader.state_dict() == ref.state_dict()
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), workers
+
+
+def test_resume_after_prefetch_neither_skips_nor_repeats(local_dataset):  # noqa: F811
+    ref = make(local_dataset)
+    expected = [ref.next_batch().numpy() for _ in range(12)]
+    loader = BatchLoader(make(local_dataset), num_workers=2, prefetch_factor=4)
+    got = take(loader, 5)  # the workers have prefetched well past batch 5 by now
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert state["samples_consumed"] == 5 * 4
+    resumed = BatchLoader(make(local_dataset), num_workers=2)
+    resumed.load_state_dict(state)
+    got += take(resumed, 4)
+    plain = make(local_dataset)  # the loader's state also resumes plain next_batch()
+    plain.load_state_dict(resumed.state_dict())
+    got += [plain.next_batch().numpy() for _ in range(3)]
+    # a load_state_dict on a running loader rewinds it, discarding its prefetched batches
+    resumed.load_state_dict(state)
+    assert np.array_equal(next(resumed).numpy(), expected[5])
+    resumed.close()
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_workers_read_s3_shards(local_dataset, s3_bucket):  # noqa: F811
+    remote = ShardSet(upload(local_dataset, f"{s3_bucket}/ds"))
+    ref = make(local_dataset)
+    expected = [ref.next_batch().numpy() for _ in range(6)]
+    with BatchLoader(make(remote), num_workers=2) as loader:
+        got = take(loader, 6)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_position_ids_reset_after_eos():
+    eos = 9
+    tokens = torch.tensor([[1, 2, eos, 3, 4, 5, eos, eos, 6], [eos, 1, 2, 3, 4, 5, 6, 7, 8]])
+    assert document_positions(tokens, eos).tolist() == [
+        [0, 1, 2, 0, 1, 2, 3, 0, 0],
+        [0, 0, 1, 2, 3, 4, 5, 6, 7],
+    ]
+
+
+def test_stream_positions_and_loss_mask_follow_documents(local_dataset):  # noqa: F811
+    s = make(local_dataset, batch=8)
+    eos = local_dataset.manifest.eos_id
+    ref = make(local_dataset, batch=8).next_batch()
+    b = s.next_batch_with_positions()
+    assert torch.equal(b.tokens, ref) and s.state.samples_consumed == 8  # same batch, same advance
+    x = b.tokens[:, :-1]
+    assert b.positions.shape == b.loss_mask.shape == x.shape == (8, 16)
+    assert (x == eos).any(), "the fixture's documents are short: every batch has boundaries"
+    for row, pos, mask in zip(x.tolist(), b.positions.tolist(), b.loss_mask.tolist(), strict=True):
+        expect, p = [], 0
+        for t, tok in enumerate(row):
+            expect.append(p)
+            p = 0 if tok == eos else p + 1
+            assert mask[t] == (tok != eos)
+        assert pos == expect
+    with BatchLoader(make(local_dataset, batch=8), num_workers=2, with_positions=True) as loader:
+        first = next(loader)
+    assert torch.equal(first.positions, b.positions) and torch.equal(first.loss_mask, b.loss_mask)
+
+
+def test_a_corrupt_shard_read_by_a_worker_is_named(local_dataset, tmp_path):  # noqa: F811
+    import shutil
+
+    from data.shards import ShardError
+
+    shutil.copytree(local_dataset.root, tmp_path / "copy")
+    shard = tmp_path / "copy" / "shard-00003.bin"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    loader = BatchLoader(make(ShardSet(str(tmp_path / "copy"))), num_workers=2, timeout_s=60)
+    with pytest.raises(ShardError, match=r"shard-00003\.bin fails its checksum"):
+        for _ in range(400):  # the first epoch reads every shard
+            next(loader)
+    loader.close()
