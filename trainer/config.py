@@ -273,8 +273,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"config key 'model.n_kv_heads' ({kv}) must divide model.n_heads ({m.n_heads})"
         )
-    if cfg.checkpoint.keep < 1:
-        raise ConfigError(f"config key 'checkpoint.keep' must be >= 1; got {cfg.checkpoint.keep}")
+    if cfg.checkpoint.keep < 2:
+        raise ConfigError(
+            f"config key 'checkpoint.keep' must be >= 2 (the previous commit is the fallback when the newest is "
+            f"corrupt); got {cfg.checkpoint.keep}"
+        )
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise ConfigError(f"config key 'data.val_fraction' must be in [0, 0.5); got {cfg.data.val_fraction}")
     if t.global_batch % t.micro_batch:

@@ -108,19 +108,20 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
         f"= {info.world} ranks x {accum} micro x {micro_batch} | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
 
     # --- resume
+    ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_)
     state = checkpoint.TrainState(world=info.world, config_sha256=cfg.sha256())
     if ck.resume != "never":
-        latest = checkpoint.discover_latest(cfg.checkpoint_dir, info)
+        latest = ckpt.discover_latest()
         if latest is None and ck.resume == "required":
             raise checkpoint.CheckpointError(
-                f"checkpoint.resume=required but no committed checkpoint in {cfg.checkpoint_dir}")
+                f"checkpoint.resume=required but no usable committed checkpoint in {cfg.checkpoint_dir}")
         if latest is not None:
-            state = checkpoint.load(cfg.checkpoint_dir, latest, model, optimizer, info)
+            state = ckpt.load(latest, model, optimizer)
             stream.load_state_dict(state.data or {})
             say(f"resumed from step {state.step} ({checkpoint.step_dir(cfg.checkpoint_dir, latest)}, "
                 f"saved by {state.world} rank(s))")
         else:
-            say("no checkpoint found: starting fresh")
+            say(f"no committed checkpoint in {cfg.checkpoint_dir}: starting fresh")
 
     # --- loop
     metrics = MetricsLog(cfg.run.dir, t.steps, state.step, info.is_main, cfg.log.progress)
@@ -161,6 +162,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
                                      f"(last at step {step}); lower train.lr or check the data")
         optimizer.zero_grad(set_to_none=True)
         state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
+        ckpt.poll()  # completes (or fails loudly) a background save once every rank has written it
         loss_sum += float(step_loss)
         window_steps += 1
         metrics.step(step)
@@ -185,10 +187,10 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             loss_sum, window_steps, data_wait, window_start = 0.0, 0, 0.0, time.perf_counter()
         if (ck.every and step % ck.every == 0) or is_last:
             state.data = stream.state_dict()
-            path = checkpoint.save(cfg.checkpoint_dir, state, model, optimizer, info)
-            if info.is_main:
-                checkpoint.prune(cfg.checkpoint_dir, ck.keep, ck.keep_every)
-            metrics.event(f"[rekindle] checkpoint step {step} -> {path}")
+            path = ckpt.save(state, model, optimizer, blocking=is_last or not ck.async_)  # the last one: sync
+            metrics.event(f"[rekindle] checkpoint step {step} -> {path} ({ckpt.last_blocking_s:.2f}s blocking)")
+    ckpt.wait()
+    ckpt.close()
     metrics.close()
 
     wall = time.perf_counter() - run_start
