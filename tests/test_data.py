@@ -17,12 +17,16 @@ from data.stream import DataStateError, TokenStream
 TEXTS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # number {i}\n" * (1 + i % 5) for i in range(300)]
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> ShardSet:
-    out = tmp_path_factory.mktemp("shards")
+def make_dataset(out) -> ShardSet:
+    """TEXTS prepared into small shards (2,000 tokens) so that reads cross shard boundaries."""
     tok = tokenizers_.train(TEXTS, vocab_size=300)
     prepare(TEXTS, str(out), tok, shard_tokens=2000, progress=False)
     return ShardSet(str(out))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> ShardSet:
+    return make_dataset(tmp_path_factory.mktemp("shards"))
 
 
 def test_manifest_describes_shards(dataset):

@@ -10,7 +10,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
-from test_data import TEXTS
+from test_data import TEXTS, make_dataset
 
 from data import tokenizer as tokenizers_
 from data.prepare import main as prepare_main
@@ -21,10 +21,7 @@ from data.stream import TokenStream
 
 @pytest.fixture(scope="module")
 def local_dataset(tmp_path_factory) -> ShardSet:
-    out = tmp_path_factory.mktemp("shards")
-    tok = tokenizers_.train(TEXTS, vocab_size=300)
-    prepare(TEXTS, str(out), tok, shard_tokens=2000, progress=False)
-    return ShardSet(str(out))
+    return make_dataset(tmp_path_factory.mktemp("shards"))
 
 
 def upload(local: ShardSet, url: str) -> str:
