@@ -86,8 +86,10 @@ class DistConfig:
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 600.0
     mixed_precision: str = "auto"  # auto | fp32 | bf16
-    compile: bool = False
-    activation_checkpointing: str = "none"  # none | selective | full
+    compile: bool = False  # torch.compile each transformer block (inductor; needs a C compiler on CPU)
+    activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
+    fused_adamw: str = "auto"  # auto (fused kernel on GPU, foreach on CPU) | fused | foreach
+    tune_malloc: bool = True  # glibc: no mmap for large blocks, no trimming (page faults cost ~10% on CPU)
 
 
 @dataclass
@@ -100,8 +102,14 @@ class FaultConfig:
 @dataclass
 class LogConfig:
     progress: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = False  # scalars to run.dir/tb/ on rank 0 (needs the tensorboard package)
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = known GPU table, or measured on CPU
+    cost_per_device_hour: float = 0.0  # price of one device (GPU, or CPU process) per hour; 0 = no cost report
+
+
+@dataclass
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler trace to run.dir/profile/
 
 
 @dataclass
@@ -114,6 +122,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the user-facing key names (`checkpoint.async`, not `async_`)."""
@@ -135,6 +144,7 @@ _ENUMS = {
     "dist.backend": ("auto", "gloo", "nccl"),
     "dist.mixed_precision": ("auto", "fp32", "bf16"),
     "dist.activation_checkpointing": ("none", "selective", "full"),
+    "dist.fused_adamw": ("auto", "fused", "foreach"),
 }
 _PYTHON_KEYWORDS = {"async": "async_"}
 
@@ -255,6 +265,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "checkpoint.every": cfg.checkpoint.every, "checkpoint.keep_every": cfg.checkpoint.keep_every,
         "data.num_workers": cfg.data.num_workers, "log.peak_tflops": cfg.log.peak_tflops,
+        "log.cost_per_device_hour": cfg.log.cost_per_device_hour,
         "train.min_lr": t.min_lr,
     }
     for key, value in non_negative.items():
@@ -280,6 +291,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise ConfigError(f"config key 'data.val_fraction' must be in [0, 0.5); got {cfg.data.val_fraction}")
+    steps = list(cfg.profile.steps)
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        raise ConfigError(f"config key 'profile.steps' must be [first, last] with 1 <= first <= last; got {steps}")
     if t.global_batch % t.micro_batch:
         raise ConfigError(
             f"config key 'train.global_batch' ({t.global_batch}) must be a multiple of "

@@ -13,11 +13,13 @@ import torch
 from data.corpus import ensure_builtin
 from data.shards import ShardSet
 from data.stream import TokenStream
-from trainer import checkpoint, parallel
+from trainer import checkpoint, host, parallel
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
-from trainer.metrics import MetricsLog, memory_mb, peak_flops
+from trainer.cost import cost_report, format_cost
+from trainer.metrics import BREAKDOWN, MetricsLog, StepTimer, format_breakdown, memory_mb, peak_flops
 from trainer.model import ModelArgs, Transformer, cross_entropy
+from trainer.profiling import StepProfiler
 
 
 class NonFiniteError(RuntimeError):
@@ -34,12 +36,13 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms)."""
+    """AdamW; weight decay on matrices only (not on norms); the fused kernel per dist.fused_adamw."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                             fused=device.type == "cuda")
+    impl = {"fused": True} if parallel.use_fused_adamw(cfg.dist, device) else (
+        {"foreach": True} if cfg.dist.fused_adamw == "foreach" else {})
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), **impl)
 
 
 def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
@@ -70,6 +73,8 @@ def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo, m
 
 def train(cfg: Config) -> dict:
     """Run (or resume) the training job described by cfg; returns the final summary."""
+    if cfg.dist.tune_malloc:
+        host.tune_malloc()
     info = parallel.init_distributed(cfg.dist)
     try:
         return _train(cfg, info)
@@ -124,7 +129,12 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             say(f"no committed checkpoint in {cfg.checkpoint_dir}: starting fresh")
 
     # --- loop
-    metrics = MetricsLog(cfg.run.dir, t.steps, state.step, info.is_main, cfg.log.progress)
+    metrics = MetricsLog(cfg.run.dir, t.steps, state.step, info.is_main, cfg.log.progress, cfg.log.tensorboard)
+    comm = parallel.CommTimer() if parallel.CommTimer.enabled_for(info) else None
+    timer = StepTimer(info.device, comm)
+    profiler = StepProfiler(cfg.profile.steps, cfg.run.dir, info.rank, info.device)
+    profiler.maybe_start(state.step + 1)
+    data_wait_total = 0.0
     tokens_per_step = t.global_batch * cfg.model.seq_len
     bad_steps, skipped_total, loss_sum, window_start, window_steps, data_wait = 0, 0, 0.0, time.perf_counter(), 0, 0.0
     eval_loss, run_start, start_step = float("nan"), time.perf_counter(), state.step
@@ -138,6 +148,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
+        timer.start()
         step_loss = torch.zeros((), device=info.device)
         micros = batch.split(micro_batch)
         for i, micro in enumerate(micros):
@@ -146,6 +157,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
                 loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:]) / len(micros)
             loss.backward()
             step_loss += loss.detach()
+        timer.mark()  # forward + backward done
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
 
@@ -161,6 +173,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
                 raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient "
                                      f"(last at step {step}); lower train.lr or check the data")
         optimizer.zero_grad(set_to_none=True)
+        timer.mark()  # optimizer done
         state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
         ckpt.poll()  # completes (or fails loudly) a background save once every rank has written it
         loss_sum += float(step_loss)
@@ -172,15 +185,21 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             eval_loss = evaluate(model, stream, cfg, info, micro_batch)
         if step % t.log_every == 0 or is_last or (t.eval_every and step % t.eval_every == 0):
             elapsed = time.perf_counter() - window_start
-            loss_mean, wait = parallel.all_reduce_mean([loss_sum / window_steps, data_wait], info)
+            parts = timer.window()  # per-step seconds of this rank; averaged over ranks below
+            data_wait_total += data_wait
+            loss_mean, wait, *means = parallel.all_reduce_mean(
+                [loss_sum / window_steps, data_wait, *parts.values()], info)
+            parts = dict(zip(parts, means, strict=True))
             tokens_per_s = tokens_per_step * window_steps / elapsed
             record = {
                 "step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                 "mfu": flops_per_token * tokens_per_s / (peak * info.world) if peak else 0.0,
                 "mem_mb": memory_mb(info.device), "step_time_s": elapsed / window_steps,
-                "data_wait_s": wait / window_steps, "tokens": state.tokens_seen, "skipped_steps": skipped_total,
-                "time": time.time(),
+                "data_wait_s": wait / window_steps, **parts, "tokens": state.tokens_seen,
+                "skipped_steps": skipped_total, "time": time.time(),
             }
+            # other: eval, checkpoint, logging and Python between the measured phases
+            record["other_s"] = max(record["step_time_s"] - sum(record.get(k) or 0.0 for k in BREAKDOWN[:-1]), 0.0)
             if (t.eval_every and step % t.eval_every == 0) or is_last:
                 record["eval_loss"] = eval_loss
             metrics.log(record)
@@ -189,14 +208,37 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
             state.data = stream.state_dict()
             path = ckpt.save(state, model, optimizer, blocking=is_last or not ck.async_)  # the last one: sync
             metrics.event(f"[rekindle] checkpoint step {step} -> {path} ({ckpt.last_blocking_s:.2f}s blocking)")
+        trace = profiler.after_step(step)
+        if trace is not None:
+            metrics.event(f"[rekindle] profiler trace of steps {cfg.profile.steps} -> {trace}")
+    trace = profiler.stop()  # a range past the last step ends with the run
+    if trace is not None:
+        metrics.event(f"[rekindle] profiler trace -> {trace}")
     ckpt.wait()
     ckpt.close()
     metrics.close()
+    if comm is not None:
+        comm.close()
 
     wall = time.perf_counter() - run_start
     steps_done = state.step - start_step
     summary = {"steps": state.step, "steps_this_run": steps_done, "wall_s": wall, "eval_loss": eval_loss,
                "unigram_entropy": entropy, "tokens_per_s": tokens_per_step * steps_done / wall if wall else 0.0}
+    # where the time went, per step, over this process's steps (rank means)
+    n = max(timer.totals["steps"], 1)
+    totals = parallel.all_reduce_mean([data_wait_total / n, timer.totals["fwd_bwd_s"] / n,
+                                       timer.totals["optim_s"] / n, timer.totals["comm_wait_s"] / n], info)
+    breakdown = dict(zip(BREAKDOWN[:4], totals, strict=True))
+    if comm is None:
+        breakdown.pop("comm_wait_s")
+    breakdown["step_time_s"] = wall / max(steps_done, 1)
+    breakdown["other_s"] = max(breakdown["step_time_s"] - sum(v for k, v in breakdown.items() if k != "step_time_s"),
+                               0.0)
+    summary["breakdown"] = breakdown
     say(f"done: {steps_done} steps in {wall:.1f}s ({summary['tokens_per_s']:,.0f} tok/s) | final eval loss "
         f"{eval_loss:.3f} nats vs unigram entropy {entropy:.3f} nats")
+    say(f"time per step: {format_breakdown(breakdown)}")
+    if cfg.log.cost_per_device_hour:
+        summary["cost"] = cost_report(info.world, wall, tokens_per_step * steps_done, 0.0, cfg.log.cost_per_device_hour)
+        say(f"{format_cost(summary['cost'])} ({info.world} device(s), this process's {wall:.1f}s)")
     return summary

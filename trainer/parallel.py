@@ -5,7 +5,10 @@ checkpointing. The model module stays plain PyTorch; this module wraps it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -116,6 +119,70 @@ def all_reduce_mean(values: list[float], info: DistInfo) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=info.device)
     dist.all_reduce(t)
     return (t / info.world).tolist()
+
+
+def use_fused_adamw(cfg: DistConfig, device: torch.device) -> bool:
+    """dist.fused_adamw: auto = the fused kernel on GPU (one launch for all parameters), foreach on CPU."""
+    return cfg.fused_adamw == "fused" or (cfg.fused_adamw == "auto" and device.type == "cuda")
+
+
+class CommTimer:
+    """Wall time the training thread spends inside blocking torch.distributed collectives.
+
+    Why this measures communication wait honestly on gloo: FSDP2 on CPU has no streams, so its
+    all-gathers (forward, and backward for resharded blocks) and reduce-scatters (backward) run
+    synchronously on the training thread and nothing computes while they run. The time inside
+    those calls is exactly what the step waits for: the transfer itself plus waiting for the slowest
+    rank to arrive. It wraps the `torch.distributed` functions FSDP2 and the trainer call
+    (they are looked up on the module at call time) and counts only calls from the thread that
+    created the timer and only blocking ones (`async_op=False`); background checkpoint threads and
+    asynchronous work are not counted. Not counted either: the DTensor all-reduce of the gradient
+    norm (a scalar, through functional collectives), which is negligible.
+
+    On NCCL the same calls only enqueue work on communication streams that overlap compute; their
+    host time is not a wait, so `enabled_for()` is false there and the trainer reports no comm wait
+    (the profiler trace, `profile.steps`, shows the overlap instead).
+    """
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+             "all_reduce", "all_gather", "broadcast", "barrier")
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.calls = 0
+        self._thread = threading.get_ident()
+        self._originals: dict[str, object] = {}
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(original))
+
+    @staticmethod
+    def enabled_for(info: DistInfo) -> bool:
+        return info.world > 1 and info.backend == "gloo"
+
+    def _wrap(self, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if kwargs.get("async_op") or threading.get_ident() != self._thread:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - start
+                self.calls += 1
+
+        timed.__rekindle_original__ = fn
+        return timed
+
+    def close(self) -> None:
+        """Put the original functions back."""
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
