@@ -6,7 +6,10 @@ the same global batch and the same process count (one process), measured side by
 The bare loop has no data loading (pre-made random tokens), no metrics, no checkpoint; the trainer
 runs its real loop (data from the built-in corpus, logging, guard) with eval and checkpoints only at
 the end, whose window is left out. Both report the median tokens/s over windows of 10 steps after
-a warm-up window. Rounds alternate bare/trainer so machine noise hits both alike.
+a warm-up window. Rounds alternate bare/trainer so machine noise hits both alike. The trainer tunes
+glibc malloc in its process (dist.tune_malloc); this script does the same before the first bare
+loop, so the ratio measures the loop, not the allocator. `scripts/bench.py` runs this comparison
+together with the rest of the performance report.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import config as config_  # noqa: E402
+from trainer import host  # noqa: E402
 from trainer.loop import lr_at, train  # noqa: E402
 from trainer.model import ModelArgs, Transformer, cross_entropy  # noqa: E402
 
@@ -85,6 +89,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = config_.load(args.config, args.overrides)
+    if cfg.dist.tune_malloc:
+        host.tune_malloc()
     print(f"model dim {cfg.model.dim} x {cfg.model.n_layers} layers, seq {cfg.model.seq_len}, global batch "
           f"{cfg.train.global_batch} (micro {cfg.train.micro_batch}), {torch.get_num_threads()} threads, 1 process")
     bare, ours = [], []

@@ -1,37 +1,78 @@
 #!/usr/bin/env bash
-# GPU check, at most ~5 minutes on one GPU: NCCL process group, bf16 mixed precision, per-block
-# compile, a few hundred steps of the GPT-2-124M-shaped model on the built-in corpus; MFU printed.
+# GPU check, at most 8 minutes on one GPU: NCCL process group, bf16 mixed precision, per-block
+# compile and fused AdamW on the Llama-1B-shaped model (configs/llama-1b.yaml) on the built-in
+# corpus; prints the matmul peak, tokens/s, MFU and peak memory, and the date and GPU to record.
 #
-#   bash scripts/gpu_check.sh [key=value ...]
+#   bash scripts/gpu_check.sh [key=value ...]          # e.g. train.micro_batch=8 on a 141 GB H200
+#   CONFIG=configs/gpt2-124m.yaml STEPS=300 bash scripts/gpu_check.sh
 #
-# Uses $PYTHON (default: python3) when it already has torch with CUDA (e.g. a GPU image), else
-# sets up .venv. On an offline GPU machine without omegaconf, put wheels in ./wheels first
-# (`pip download omegaconf -d wheels` on a connected machine); they are installed from there.
+# Python: $PYTHON (default python3) when it already has torch with CUDA (a GPU image), else
+# scripts/setup.sh makes .venv. Missing pure-Python dependencies (omegaconf, tokenizers, tqdm,
+# numpy, fsspec) are installed from ./wheels when that folder exists (an offline machine: fill it
+# on a connected one with `pip download omegaconf tokenizers tqdm numpy fsspec -d wheels`), else
+# from the package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+CONFIG="${CONFIG:-configs/llama-1b.yaml}"
+STEPS="${STEPS:-200}"
 if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  echo "[gpu_check] $PY has no CUDA torch: setting up .venv"
   bash scripts/setup.sh
   PY=.venv/bin/python
 fi
-if ! "$PY" -c 'import omegaconf' 2>/dev/null && [ -d wheels ]; then
-  "$PY" -m pip install --quiet --no-index --find-links wheels omegaconf
+missing=$("$PY" - <<'PY'
+import importlib.util
+need = {"omegaconf": "omegaconf", "tokenizers": "tokenizers", "tqdm": "tqdm", "numpy": "numpy", "fsspec": "fsspec"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  if [ -d wheels ]; then
+    echo "[gpu_check] installing $missing from ./wheels"
+    "$PY" -m pip install --quiet --no-index --find-links wheels $missing
+  else
+    echo "[gpu_check] installing $missing from the package index"
+    "$PY" -m pip install --quiet $missing
+  fi
 fi
 NGPU="${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}"
-"$PY" -c 'import torch; print("torch", torch.__version__, "| GPU:", torch.cuda.get_device_name(0), "| NCCL", torch.cuda.nccl.version())'
+"$PY" - <<'PY'
+import datetime, time, torch
+name = torch.cuda.get_device_name(0)
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    a @ b
+torch.cuda.synchronize()
+start, reps = time.perf_counter(), 50
+for _ in range(reps):
+    a @ b
+torch.cuda.synchronize()
+peak = 2 * 8192**3 * reps / (time.perf_counter() - start)
+print(f"gpu_check: {datetime.date.today()} | {name} | torch {torch.__version__} | CUDA {torch.version.cuda} | "
+      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))} | measured bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+PY
 RUN_DIR="${RUN_DIR:-runs/gpu-check}"
 rm -rf "$RUN_DIR"
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+# The config's global batch is per GPU here, so more GPUs mean proportionally more tokens per step.
+GLOBAL=$("$PY" -c "from trainer.config import load; print(load('$CONFIG').train.global_batch)")
 timeout 480 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" --rdzv-backend c10d \
-  --rdzv-endpoint "127.0.0.1:$PORT" -m trainer configs/gpt2-124m.yaml \
-  run.dir="$RUN_DIR" dist.backend=nccl dist.mixed_precision=bf16 dist.compile=true \
-  train.steps=300 train.warmup_steps=30 train.global_batch=$((32 * NGPU)) train.micro_batch=32 \
-  train.eval_every=0 train.log_every=25 checkpoint.every=0 checkpoint.resume=never log.progress=false "$@"
+  --rdzv-endpoint "127.0.0.1:$PORT" -m trainer "$CONFIG" \
+  run.dir="$RUN_DIR" dist.backend=nccl dist.mixed_precision=bf16 dist.compile=true dist.fused_adamw=fused \
+  train.steps="$STEPS" train.warmup_steps=20 train.global_batch=$((GLOBAL * NGPU)) \
+  train.eval_every=0 train.eval_batches=2 train.log_every=20 checkpoint.every=0 checkpoint.resume=never \
+  log.progress=false "$@"
 "$PY" - "$RUN_DIR" <<'PY'
 import json, statistics, sys
 records = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
-steady = records[2:-1] or records
+steady = records[2:-1] or records  # drop compile/warm-up windows and the final (eval + checkpoint) one
+mfu = statistics.median(r["mfu"] for r in steady)
 print(f"gpu_check: final loss {records[-1]['loss']:.3f}, eval {records[-1].get('eval_loss', float('nan')):.3f} | "
-      f"median {statistics.median(r['tokens_per_s'] for r in steady):,.0f} tok/s, "
-      f"MFU {100 * statistics.median(r['mfu'] for r in steady):.1f}% | peak mem {records[-1]['mem_mb']:,.0f} MB")
+      f"median {statistics.median(r['tokens_per_s'] for r in steady):,.0f} tok/s, MFU {100 * mfu:.1f}% "
+      f"(vs nominal dense bf16 peak; goal >= 45%) | step {statistics.median(r['step_time_s'] for r in steady):.3f}s "
+      f"= fwd/bwd {statistics.median(r['fwd_bwd_s'] for r in steady):.3f} + optim "
+      f"{statistics.median(r['optim_s'] for r in steady):.3f} + data {statistics.median(r['data_wait_s'] for r in steady):.3f}"
+      f" | peak mem {records[-1]['mem_mb']:,.0f} MB")
 PY

@@ -1,0 +1,210 @@
+"""Performance report of this machine and the trainer, in one run:
+
+  1. matmul peak measured here (fp32 and bf16 on CPU per thread count; bf16 on GPU) next to the
+     nominal peak of known GPUs;
+  2. the trainer's tokens/s against a bare PyTorch loop on the same model and batch (goal >= 0.95);
+  3. MFU of the config's model at its sequence length against the measured peak (CPU goal >= 70%);
+  4. 1 rank vs 2 ranks (real torchrun, gloo, 1 thread each) and 1 rank x 2 threads on the same cores;
+  5. the effect of the speed options: per-block compile, activation checkpointing (selective,
+     full) and the malloc tuning (dist.tune_malloc), each against the plain run;
+  6. where the step time goes (data wait / forward+backward / optimizer / comm wait).
+
+    python scripts/bench.py [--quick] [--config configs/default.yaml] [--skip compile,ranks,...] [key=value ...]
+
+Every trainer run is a fresh process (`python -m trainer`, or torchrun for 2 ranks) with eval and
+checkpoints pushed to the last window, which is left out with the first (warm-up, compile) one;
+tokens/s is the median over the remaining logging windows. MFU here is recomputed against the peak
+this script measured, best of several windows, at the same thread count, so a noisy start-up
+measurement inside a run does not move it. On a shared machine, compare numbers from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_step  # noqa: E402
+
+from trainer import config as config_  # noqa: E402
+from trainer import host  # noqa: E402
+from trainer.metrics import BREAKDOWN, GPU_PEAK_BF16, format_breakdown, measure_cpu_peak  # noqa: E402
+from trainer.model import ModelArgs, Transformer  # noqa: E402
+
+
+def gpu_matmul_peak(n: int = 8192, dtype: torch.dtype = torch.bfloat16, seconds: float = 1.0) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            a @ b
+        reps += 10
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def cpu_peak(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return max(measure_cpu_peak(seconds / 2, n, dtype) for n in (1024, 2048))
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_trainer(config: str, overrides: list[str], steps: int, window: int, nproc: int = 1, threads: int = 1,
+                timeout: float = 900) -> dict:
+    """One trainer run in fresh processes; median tokens/s over the windows between the first and last."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [config, f"run.dir={tmp}", f"train.steps={steps}", f"train.log_every={window}",
+                "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=0", "checkpoint.resume=never",
+                "log.progress=false", *overrides]
+        if nproc == 1:
+            cmd = [sys.executable, "-m", "trainer", *args]
+        else:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", "-m", "trainer", *args]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                   PYTHONUNBUFFERED="1")
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"trainer failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    steady = records[1:-1] or records
+    out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady), "windows": len(steady)}
+    for key in (*BREAKDOWN, "step_time_s"):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (about 3-5 minutes on 2 cores)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. model.n_layers=6")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    steps, window, rounds = (20, 5, 1) if args.quick else (50, 10, 2)
+    cfg = config_.load(REPO / args.config, args.overrides)
+    config = str(REPO / args.config)
+    model = Transformer(ModelArgs(**asdict(cfg.model)))
+    flops_per_token = model.flops_per_token()
+    del model
+    cores = os.cpu_count() or 1
+    cuda = torch.cuda.is_available()
+    print(f"# rekindle bench ({'quick' if args.quick else 'full'}) | {args.config} {' '.join(args.overrides)}")
+    print(f"model: dim {cfg.model.dim} x {cfg.model.n_layers} layers, seq {cfg.model.seq_len}, vocab "
+          f"{cfg.model.vocab_size}, {flops_per_token / 1e6:.1f} MFLOPs/token | global batch {cfg.train.global_batch} "
+          f"(micro {cfg.train.micro_batch}) | torch {torch.__version__} | {cores} CPU(s)"
+          + (f" | GPU {torch.cuda.get_device_name(0)}" if cuda else ""))
+
+    # 1. peaks
+    print("\n## matmul peak (best of several windows)")
+    peaks: dict[int, float] = {}
+    for threads in sorted({1, cores}):
+        peaks[threads] = cpu_peak(threads)
+        bf16 = cpu_peak(threads, torch.bfloat16, 0.6)
+        print(f"CPU {threads} thread(s): fp32 {peaks[threads] / 1e9:8,.1f} GFLOP/s | bf16 {bf16 / 1e9:8,.1f} GFLOP/s")
+    gpu_peak = 0.0
+    if cuda:
+        gpu_peak = gpu_matmul_peak()
+        name = torch.cuda.get_device_name(0)
+        nominal = next((v for k, v in GPU_PEAK_BF16.items() if k in name), 0.0)
+        print(f"GPU bf16 8192^3: {gpu_peak / 1e12:,.1f} TFLOP/s measured | nominal dense bf16 "
+              f"{nominal / 1e12:,.0f} TFLOP/s ({100 * gpu_peak / nominal:.0f}% of nominal)" if nominal else
+              f"GPU bf16 8192^3: {gpu_peak / 1e12:,.1f} TFLOP/s measured (no nominal peak known for {name})")
+    print("nominal dense bf16 peaks (MFU on a GPU is reported against these): "
+          + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in GPU_PEAK_BF16.items()) + " TFLOP/s")
+
+    def mfu(tps: float, threads: int, ranks: int = 1) -> float:
+        return flops_per_token * tps / (peaks[threads] * ranks)
+
+    def line(label: str, r: dict, threads: int, ranks: int = 1, base: float | None = None) -> None:
+        rel = f" | x{r['tokens_per_s'] / base:.2f}" if base else ""
+        print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * mfu(r['tokens_per_s'], threads, ranks):5.1f}% "
+              f"(vs {threads}-thread fp32 peak{' x ' + str(ranks) if ranks > 1 else ''}){rel}")
+
+    # 2. trainer vs bare loop (in this process, same threads; the bare loop gets the same allocator settings)
+    if "ratio" not in skip:
+        print(f"\n## trainer vs bare PyTorch loop (1 process, {torch.get_num_threads()} thread(s), "
+              f"{steps * 2} steps x {rounds} round(s))")
+        host.tune_malloc()
+        bench_step.WINDOW = window
+        bare, ours = [], []
+        for r in range(rounds):
+            b = bench_step.bare_loop(cfg, steps * 2)
+            o = bench_step.trainer_loop(cfg, steps * 2)
+            print(f"round {r + 1}: bare {statistics.median(b):8,.0f} tok/s | "
+                  f"trainer {statistics.median(o):8,.0f} tok/s")
+            bare += b
+            ours += o
+        ratio = statistics.median(ours) / statistics.median(bare)
+        print(f"ratio trainer/bare {ratio:.3f} (goal >= 0.95) | bare-loop MFU "
+              f"{100 * mfu(statistics.median(bare), torch.get_num_threads()):.1f}%")
+
+    # 3-4. MFU and ranks
+    print(f"\n## trainer runs ({steps} steps, median over windows of {window}; MFU vs the measured fp32 peak)")
+    base1 = run_trainer(config, args.overrides, steps, window, threads=1)
+    line("1 rank x 1 thread", base1, 1)
+    results = {"1x1": base1}
+    if cores > 1:
+        r = run_trainer(config, args.overrides, steps, window, threads=cores)
+        results["1xN"] = r
+        line(f"1 rank x {cores} threads", r, cores, base=base1["tokens_per_s"])
+        if "ranks" not in skip:
+            r2 = run_trainer(config, args.overrides, steps, window, nproc=2, threads=1)
+            results["2x1"] = r2
+            line("2 ranks x 1 thread (FSDP2, gloo)", r2, 1, ranks=2, base=base1["tokens_per_s"])
+            print(f"2-rank scaling efficiency {100 * r2['tokens_per_s'] / (2 * base1['tokens_per_s']):.0f}% "
+                  f"(tokens/s of 2 ranks / twice 1 rank)")
+
+    # 5. speed options, each against the plain 1 x 1 run
+    options = []
+    if "malloc" not in skip:
+        options.append(("dist.tune_malloc=false", ["dist.tune_malloc=false"]))
+    if "ac" not in skip:
+        options += [(f"activation_checkpointing={m}", [f"dist.activation_checkpointing={m}"])
+                    for m in ("selective", "full")]
+    if "compile" not in skip:
+        options.append(("dist.compile=true", ["dist.compile=true"]))
+    if options:
+        print("\n## speed options (1 rank x 1 thread; x = tokens/s relative to the plain run above)")
+    for label, extra in options:
+        r = run_trainer(config, [*args.overrides, *extra], steps, window, threads=1)
+        results[label] = r
+        line(label, r, 1, base=base1["tokens_per_s"])
+
+    # 6. breakdown
+    print("\n## where the step time goes (median per step)")
+    for key, r in results.items():
+        if "fwd_bwd_s" in r:
+            print(f"{key:<34} {format_breakdown(r)}")
+
+
+if __name__ == "__main__":
+    main()
