@@ -5,6 +5,7 @@ committed checkpoint, stops on a crash loop, checkpoints and exits 75 on SIGTERM
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EPILOG = """exit codes: 0 done | 1 failed (restart budget spent, or launcher error) | 2 bad config or input |
@@ -16,16 +17,25 @@ examples:
   python -m launch --nnodes 1:2 --nproc-per-node 8 --rdzv-endpoint node0:29400 configs/llama-1b.yaml"""
 
 
+def _env(name: str, default):
+    """torchrun's convention: every option can come from PET_<OPTION> (the Kubeflow operator sets these)."""
+    return os.environ.get(f"PET_{name}", default)
+
+
 def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this node (default 1)")
-    p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (elastic between MIN and MAX)")
-    p.add_argument("--max-restarts", type=int, default=None, help="restart budget (default fault.max_restarts)")
-    p.add_argument("--rdzv-endpoint", default="",
+    p.add_argument("--nproc-per-node", type=int, default=int(_env("NPROC_PER_NODE", 1)),
+                   help="ranks on this node (default 1)")
+    p.add_argument("--nnodes", default=_env("NNODES", "1"), help="N or MIN:MAX nodes (elastic between MIN and MAX)")
+    p.add_argument("--max-restarts", type=int, default=_env("MAX_RESTARTS", None),
+                   help="restart budget (default fault.max_restarts)")
+    p.add_argument("--rdzv-endpoint", default=_env("RDZV_ENDPOINT", ""),
                    help="HOST:PORT of the c10d rendezvous (default: this node alone, on 127.0.0.1)")
-    p.add_argument("--rdzv-id", default="", help="job id shared by all nodes (default: from run.name and run.dir)")
-    p.add_argument("--rdzv-conf", default="", help="extra rendezvous settings, k=v,k=v (e.g. join_timeout=600)")
+    p.add_argument("--rdzv-id", default=_env("RDZV_ID", ""),
+                   help="job id shared by all nodes (default: from run.name and run.dir)")
+    p.add_argument("--rdzv-conf", default=_env("RDZV_CONF", ""),
+                   help="extra rendezvous settings, k=v,k=v (e.g. join_timeout=600)")
     p.add_argument("--local-addr", default=None, help="address other nodes reach this one at")
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")

@@ -48,7 +48,6 @@ class RestartPolicy:
     restarts: int = 0
 
     def decide(self, failure: Failure) -> Decision:
-        previous = self.history[-1] if self.history else None
         self.history.append(failure)
         if failure.cause == "exit" and failure.exit_code == EXIT_USAGE:
             return Decision(False, exit_code=EXIT_USAGE,
@@ -62,14 +61,12 @@ class RestartPolicy:
         if self.restarts >= self.max_restarts:
             return Decision(False, exit_code=EXIT_FAILED, reason=(
                 f"restart budget spent ({self.max_restarts} restart(s)); last failure: {failure.describe()}"))
-        # Back off only while restarts do not get past the previous failure.
-        stuck = previous is not None and failure.step <= previous.step and failure.cause != "preemption"
-        streak = 0
-        if stuck:
-            for f in reversed(self.history[:-1]):
-                if f.step < failure.step:
-                    break
-                streak += 1
+        # Back off only while restarts do not get past the furthest step any attempt reached.
+        best, streak = -1, 0
+        for f in self.history:
+            if f.cause == "preemption":
+                continue
+            best, streak = (f.step, 0) if f.step > best else (best, streak + 1)
         self.restarts += 1
         delay = min(self.backoff_s * 2 ** (streak - 1), self.max_backoff_s) if streak else 0.0
         return Decision(True, delay_s=delay)
