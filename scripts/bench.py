@@ -105,6 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (about 3-5 minutes on 2 cores)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="threads for the in-process trainer/bare comparison (default: all cores)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. model.n_layers=6")
     args = ap.parse_args()
@@ -126,7 +128,7 @@ def main() -> None:
     # 1. peaks
     print("\n## matmul peak (best of several windows)")
     peaks: dict[int, float] = {}
-    for threads in sorted({1, cores}):
+    for threads in sorted({1, cores, args.threads or cores}):
         peaks[threads] = cpu_peak(threads)
         bf16 = cpu_peak(threads, torch.bfloat16, 0.6)
         print(f"CPU {threads} thread(s): fp32 {peaks[threads] / 1e9:8,.1f} GFLOP/s | bf16 {bf16 / 1e9:8,.1f} GFLOP/s")
@@ -151,6 +153,7 @@ def main() -> None:
 
     # 2. trainer vs bare loop (in this process, same threads; the bare loop gets the same allocator settings)
     if "ratio" not in skip:
+        torch.set_num_threads(args.threads or cores)
         print(f"\n## trainer vs bare PyTorch loop (1 process, {torch.get_num_threads()} thread(s), "
               f"{steps * 2} steps x {rounds} round(s))")
         host.tune_malloc()

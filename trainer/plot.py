@@ -114,8 +114,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         sel = [e for e in events if e["event"] == name]
         if not sel:
             continue
-        ax_events.scatter([minutes(e["time"]) for e in sel], [0] * len(sel), color=color, marker=marker, s=50,
-                          label=name, zorder=3)
+        ax_events.scatter([minutes(e["time"]) for e in sel], [0] * len(sel), color=color, marker=marker,
+                          s=70 if name == "failure" else 50, label=name, zorder=5 if name == "failure" else 3)
         if name in ("failure", "restart", "resume", "preempt"):
             for e in sel:
                 for ax in (ax_loss, ax_tps):
