@@ -63,6 +63,8 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
 
 
 def shutdown() -> None:
+    for timer in list(_COMM_TIMERS):  # a run that ended in an exception leaves its CommTimer open
+        timer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -152,6 +154,7 @@ class CommTimer:
         self.calls = 0
         self._thread = threading.get_ident()
         self._originals: dict[str, object] = {}
+        _COMM_TIMERS.append(self)
         for name in self.NAMES:
             original = getattr(dist, name, None)
             if original is None:
@@ -183,6 +186,11 @@ class CommTimer:
         for name, original in self._originals.items():
             setattr(dist, name, original)
         self._originals.clear()
+        if self in _COMM_TIMERS:
+            _COMM_TIMERS.remove(self)
+
+
+_COMM_TIMERS: list[CommTimer] = []
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
