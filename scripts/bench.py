@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. model.n_layers=6")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    steps, window, rounds = (20, 5, 1) if args.quick else (50, 10, 2)
+    steps, window, rounds = (20, 5, 2) if args.quick else (50, 10, 3)
     cfg = config_.load(REPO / args.config, args.overrides)
     config = str(REPO / args.config)
     model = Transformer(ModelArgs(**asdict(cfg.model)))
@@ -144,12 +144,16 @@ def main() -> None:
           + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in GPU_PEAK_BF16.items()) + " TFLOP/s")
 
     def mfu(tps: float, threads: int, ranks: int = 1) -> float:
-        return flops_per_token * tps / (peaks[threads] * ranks)
+        """Against the measured fp32 CPU peak at that thread count, or on a GPU the measured bf16 peak."""
+        return flops_per_token * tps / ((gpu_peak or peaks[threads]) * ranks)
+
+    def peak_name(threads: int) -> str:
+        return "measured GPU bf16 peak" if gpu_peak else f"{threads}-thread fp32 peak"
 
     def line(label: str, r: dict, threads: int, ranks: int = 1, base: float | None = None) -> None:
         rel = f" | x{r['tokens_per_s'] / base:.2f}" if base else ""
         print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * mfu(r['tokens_per_s'], threads, ranks):5.1f}% "
-              f"(vs {threads}-thread fp32 peak{' x ' + str(ranks) if ranks > 1 else ''}){rel}")
+              f"(vs {peak_name(threads)}{' x ' + str(ranks) if ranks > 1 else ''}){rel}")
 
     # 2. trainer vs bare loop (in this process, same threads; the bare loop gets the same allocator settings)
     if "ratio" not in skip:
@@ -171,20 +175,22 @@ def main() -> None:
               f"{100 * mfu(statistics.median(bare), torch.get_num_threads()):.1f}%")
 
     # 3-4. MFU and ranks
-    print(f"\n## trainer runs ({steps} steps, median over windows of {window}; MFU vs the measured fp32 peak)")
+    print(f"\n## trainer runs ({steps} steps, median over windows of {window}; MFU vs the measured peak)")
     base1 = run_trainer(config, args.overrides, steps, window, threads=1)
     line("1 rank x 1 thread", base1, 1)
     results = {"1x1": base1}
-    if cores > 1:
+    if cuda and torch.cuda.device_count() < 2:
+        skip.add("ranks")  # one GPU: no second rank to compare with
+    if cores > 1 and not cuda:
         r = run_trainer(config, args.overrides, steps, window, threads=cores)
         results["1xN"] = r
         line(f"1 rank x {cores} threads", r, cores, base=base1["tokens_per_s"])
-        if "ranks" not in skip:
-            r2 = run_trainer(config, args.overrides, steps, window, nproc=2, threads=1)
-            results["2x1"] = r2
-            line("2 ranks x 1 thread (FSDP2, gloo)", r2, 1, ranks=2, base=base1["tokens_per_s"])
-            print(f"2-rank scaling efficiency {100 * r2['tokens_per_s'] / (2 * base1['tokens_per_s']):.0f}% "
-                  f"(tokens/s of 2 ranks / twice 1 rank)")
+    if (cores > 1 or cuda) and "ranks" not in skip:
+        r2 = run_trainer(config, args.overrides, steps, window, nproc=2, threads=1)
+        results["2x1"] = r2
+        line(f"2 ranks x 1 thread (FSDP2, {'nccl' if cuda else 'gloo'})", r2, 1, ranks=2, base=base1["tokens_per_s"])
+        print(f"2-rank scaling efficiency {100 * r2['tokens_per_s'] / (2 * base1['tokens_per_s']):.0f}% "
+              f"(tokens/s of 2 ranks / twice 1 rank)")
 
     # 5. speed options, each against the plain 1 x 1 run
     options = []

@@ -15,6 +15,7 @@ together with the rest of the performance report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -37,22 +38,26 @@ WINDOW = 10
 
 
 def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
-    """nanoGPT-style loop: forward, loss, backward, clip, AdamW step. Returns tokens/s per window."""
+    """nanoGPT-style loop: forward, loss, backward, clip, AdamW step. Returns tokens/s per window.
+    On a GPU: bf16 autocast and fused AdamW, like the trainer's world-size-1 path."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.run.seed)
-    model = Transformer(ModelArgs(**asdict(cfg.model)))
+    model = Transformer(ModelArgs(**asdict(cfg.model))).to(device)
     t = cfg.train
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
-    batch = torch.randint(0, cfg.model.vocab_size, (t.global_batch, cfg.model.seq_len + 1))
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
+    batch = torch.randint(0, cfg.model.vocab_size, (t.global_batch, cfg.model.seq_len + 1), device=device)
     accum = t.global_batch // t.micro_batch
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     rates, start = [], time.perf_counter()
     for step in range(1, steps + 1):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         for micro in batch.split(t.micro_batch):
-            loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:]) / accum
+            with autocast:
+                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:]) / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
