@@ -5,8 +5,8 @@ Layout of one checkpoint:
   <dir>/step-00000120/   __<rank>_0.distcp + .metadata   model and optimizer (DCP), resharded on load
                          train_state.json                step, tokens, data state, RNG per rank, world, config
                                                          hash, tied parameter names
-                         COMMIT.json                     written last by rank 0: every file with size + sha256,
-                                                         and a sha256 of COMMIT.json's own content
+                         COMMIT.json                     written last by rank 0: every file with size + checksum
+                                                         (xxh3-128), and a sha256 of COMMIT.json's own content
 Protocol: every rank writes its shards, hashing them as they are written; success is agreed
 collectively; only then rank 0 writes train_state.json and COMMIT.json. A step without a valid
 COMMIT.json is never loaded. On resume every rank verifies its share of the files of the newest
@@ -159,7 +159,7 @@ def read_commit(path: str) -> dict:
 
 
 def verify(path: str, rank: int = 0, world: int = 1) -> str:
-    """Check share `rank` of `world` of the files committed at `path` (sizes, sha256; rank 0 also
+    """Check share `rank` of `world` of the files committed at `path` (sizes, checksums; rank 0 also
     parses `.metadata` safely). Returns a description of the first problem, or '' if none."""
     fs, p = storage.filesystem(path)
     try:
@@ -177,7 +177,10 @@ def verify(path: str, rank: int = 0, world: int = 1) -> str:
         size = int(fs.size(full))
         if size != want["size"]:
             return f"{path}/{name} is {size} bytes, committed with {want['size']} (truncated?)"
-        if storage.sha256_file(fs, full) != want["sha256"]:
+        algorithm = next((a for a in storage.CHECKSUMS if a in want), None)
+        if algorithm is None:
+            return f"{path}/{COMMIT} has no checksum for {name}"
+        if storage.checksum_file(fs, full, algorithm) != want[algorithm]:
             return f"{path}/{name} fails its checksum (corrupt)"
     if rank == 0:
         try:
@@ -204,7 +207,7 @@ def load_state(sd: dict, path: str, no_dist: bool = True) -> None:
 class _PendingSave:
     state: TrainState
     path: str
-    future: Future  # resolves to this rank's {file: {size, sha256}} once its shards are written
+    future: Future  # resolves to this rank's {file: {size, checksum}} once its shards are written
     started: float
 
 
@@ -255,7 +258,7 @@ class Checkpointer:
         return path
 
     def _write(self, sd: dict, path: str, fault: storage.Fault | None, group) -> dict[str, dict]:
-        """DCP-write this rank's shards; returns {file: {size, sha256}} of the files it wrote."""
+        """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
         writer = storage.writer(path, fault)
         with _quiet_single_process():
             dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
@@ -344,7 +347,8 @@ class Checkpointer:
         with fs.open(f"{p}/{TRAIN_STATE}", "w") as f:
             json.dump(asdict(state), f, indent=1)
         for name in (".metadata", TRAIN_STATE):
-            files[name] = {"size": int(fs.size(f"{p}/{name}")), "sha256": storage.sha256_file(fs, f"{p}/{name}")}
+            full = f"{p}/{name}"
+            files[name] = {"size": int(fs.size(full)), storage.CHECKSUM: storage.checksum_file(fs, full)}
         commit = {"step": state.step, "time": time.time(), "world": self.info.world, "files": files}
         commit["sha256"] = _commit_digest(commit)
         with fs.open(f"{p}/{COMMIT}", "w") as f:  # last: the step exists from here on

@@ -3,7 +3,7 @@
 CHECKPOINT is a step directory (`.../step-NNNNNNNN`) or a checkpoint root (then its newest committed
 step that verifies; a damaged newer step is skipped with a warning naming the file), a local path or
 any fsspec URL (`s3://...`). Before anything is read, every file of the step is checked against the
-sizes and sha256 in COMMIT.json: an uncommitted, missing, truncated or corrupt checkpoint is an error
+sizes and checksums in COMMIT.json: an uncommitted, missing, truncated or corrupt checkpoint is an error
 naming the file. Only the model weights are read (no optimizer state), consolidated from however many
 ranks wrote them, in this one process without a process group.
 
