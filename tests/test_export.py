@@ -92,3 +92,13 @@ def test_export_of_a_root_skips_a_damaged_newest_step(two_steps, tmp_path, capsy
     fresh = Transformer(trained(0)[0].args)
     load_model(fresh, str(tmp_path / "out.safetensors"))
     assert_params_equal(fresh, trained(0)[0])
+
+
+def test_export_from_s3(s3_bucket, tmp_path, capsys):
+    model, opt = trained(0)
+    Checkpointer(f"{s3_bucket}/ck", SOLO).save(TrainState(step=4), model, opt)
+    assert main([f"{s3_bucket}/ck", str(tmp_path / "out.safetensors")]) == 0
+    assert f"exported step 4 of {s3_bucket}/ck/step-00000004" in capsys.readouterr().out
+    fresh = Transformer(model.args)
+    load_model(fresh, str(tmp_path / "out.safetensors"))
+    assert_params_equal(fresh, model)
