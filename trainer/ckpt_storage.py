@@ -17,6 +17,7 @@ refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import pickle
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 _CHUNK = 8 << 20
 CHECKSUM = "xxh3_128"  # the algorithm new checkpoints record, as the key of each file's entry
@@ -98,6 +99,16 @@ def load_metadata(data: bytes) -> Metadata:
 
 
 class _SafeMetadataMixin:
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        """Read the items of each file in file order. DCP reads them in plan order, which jumps back
+        and forth, and through s3fs's read-ahead cache a backward jump fetches again (measured on the
+        loopback S3 server, 100 MB: 2.0-2.2 s in plan order, 1.7 s in file order)."""
+        def where(item: ReadItem) -> tuple[str, int]:
+            info = self.storage_data[item.storage_index]
+            return info.relative_path, info.offset
+
+        return super().read_data(dataclasses.replace(plan, items=sorted(plan.items, key=where)), planner)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
