@@ -65,6 +65,8 @@ class Ledger:
         resume = {
             "step": a.resumed_step, "lost_steps": lost, "recovery_s": round(beat["t_first"] - failed["time"], 3),
             "restart_s": round(beat["t_load"] - failed["time"], 3),
+            "spawn_s": round(beat["t_proc"] - failed["time"], 3),  # stop the group, rendezvous, fork/exec
+            "startup_s": round(beat["t_load"] - beat["t_proc"], 3),  # import torch, join the group, build the model
             "load_s": round(beat["t_loaded"] - beat["t_load"], 3),
             "first_step_s": round(beat["t_first"] - beat["t_loaded"], 3),
         }

@@ -156,3 +156,22 @@ def test_two_launchers_train_one_job_over_loopback_rendezvous(cache_dir, tmp_pat
     assert "world 2 (gloo" in log, log[-3000:]
     assert read_metrics(tmp_path)[20]["step"] == 20
     assert json.loads((tmp_path / "checkpoints" / "step-00000020" / "COMMIT.json").read_text())["world"] == 2
+
+
+def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir, tmp_path):
+    """--nnodes 1:2: SIGKILL the second launcher (its rank dies with it); the first resumes alone
+    from the 2-rank checkpoint (resharded) with the same global batch."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
+    overrides = ["train.steps=60", "checkpoint.every=10"]
+    host = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    time.sleep(1.0)  # the first launcher hosts the rendezvous store
+    guest = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    wait_for_step(tmp_path, 15)
+    os.killpg(guest.pid, signal.SIGKILL)
+    guest.wait(timeout=30)
+    out = finish(host)
+    assert host.returncode == 0, out[-4000:]
+    assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
+    assert "saved by 2 rank(s)" in out
+    assert read_metrics(tmp_path)[60]["step"] == 60
