@@ -6,18 +6,43 @@ m % n == w; torch's DataLoader hands the workers' outputs back round-robin, so t
 for any number of workers (0 = no worker processes). Workers may prefetch ahead, but the state only
 counts batches the caller has received: `state_dict()` after k batches equals the stream's state after
 k calls of `next_batch()`, and a resume neither skips nor repeats a sample.
+
+How workers start: local shards fork (fast, and nothing but memory-mapped files is used in the worker).
+Remote shards use a fork server instead: s3fs/aiobotocore keep an event-loop thread, sockets and locks
+that a fork would copy in whatever state they are in (a lock held by another thread at that moment stays
+locked forever in the child). The fork server is a clean process started once, with data.loader and
+torch already imported, so each worker still starts in milliseconds; it opens its own S3 connection.
 """
 
 from __future__ import annotations
 
 import copy
+import multiprocessing
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data.shards import is_local
 from data.stream import BatchWithPositions, TokenStream
+
+START_METHODS = ("fork", "forkserver", "spawn")
+
+
+def default_start_method(stream: TokenStream) -> str:
+    """fork for local shards; forkserver for remote ones (fsspec clients are not fork-safe)."""
+    return "fork" if is_local(stream.shards.fs) else "forkserver"
+
+
+def _context(method: str, stream: TokenStream) -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # Import torch, this module and the filesystem's client library (s3fs, botocore: seconds) once in
+        # the server rather than in every worker; this only counts before the server first starts.
+        # (Python 3.11's server never imports __main__, whatever it is told.)
+        ctx.set_forkserver_preload(["data.loader", type(stream.shards.fs).__module__])
+    return ctx
 
 
 class _WorkerBatches(IterableDataset):
@@ -49,19 +74,25 @@ class LoaderState:
 class BatchLoader:
     """Iterate this rank's training batches with `num_workers` background processes (0 = in-process).
 
+    `start_method`: how workers start (fork | forkserver | spawn); default fork for local shards and
+    forkserver for remote ones (see the module docstring).
+
     Yields exactly what repeated `stream.next_batch()` would (or BatchWithPositions with with_positions=True),
     forever; keeps `stream.state` in step with what has been yielded, so `stream.state_dict()` and
     `loader.state_dict()` are the same thing and either can be checkpointed.
     """
 
     def __init__(self, stream: TokenStream, num_workers: int = 0, prefetch_factor: int = 2,
-                 with_positions: bool = False, timeout_s: float = 300.0) -> None:
+                 with_positions: bool = False, timeout_s: float = 300.0, start_method: str | None = None) -> None:
+        self._it: Iterator | None = None  # first: __del__ runs even when a check below raises
+        self._loader: DataLoader | None = None
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
+        if start_method is not None and start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}; got {start_method!r}")
         self.stream, self.num_workers, self.prefetch_factor = stream, num_workers, prefetch_factor
         self.with_positions, self.timeout_s = with_positions, timeout_s
-        self._it: Iterator | None = None
-        self._loader: DataLoader | None = None
+        self.start_method = start_method or default_start_method(stream)
 
     def _start(self) -> Iterator:
         if self.num_workers == 0:
@@ -69,7 +100,8 @@ class BatchLoader:
         self._loader = DataLoader(
             _WorkerBatches(self.stream, self.stream.state.samples_consumed, self.with_positions),
             batch_size=None, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-            persistent_workers=False, timeout=self.timeout_s, multiprocessing_context="fork",
+            persistent_workers=False, timeout=self.timeout_s,
+            multiprocessing_context=_context(self.start_method, self.stream),
         )
         return iter(self._loader)
 

@@ -58,12 +58,23 @@ def test_resume_after_prefetch_neither_skips_nor_repeats(local_dataset):  # noqa
 
 
 def test_workers_read_s3_shards(local_dataset, s3_bucket):  # noqa: F811
+    """Remote shards: workers come from a fork server (not a fork of this process, whose s3fs client has an
+    event-loop thread and open connections), open their own S3 client and read the loopback bucket."""
     remote = ShardSet(upload(local_dataset, f"{s3_bucket}/ds"))
+    remote.read(0, 5000)  # this process's S3 client is live (loop thread, connection pool) when workers start
     ref = make(local_dataset)
-    expected = [ref.next_batch().numpy() for _ in range(6)]
-    with BatchLoader(make(remote), num_workers=2) as loader:
+    expected = [ref.next_batch().numpy() for _ in range(8)]
+    with BatchLoader(make(remote), num_workers=2, timeout_s=60) as loader:
+        assert loader.start_method == "forkserver"
         got = take(loader, 6)
+        state = loader.state_dict()
+    with BatchLoader(make(remote), num_workers=2, timeout_s=60) as resumed:  # and resumes from S3 too
+        resumed.load_state_dict(state)
+        got += take(resumed, 2)
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert BatchLoader(make(local_dataset), num_workers=2).start_method == "fork"  # local shards: plain fork
+    with pytest.raises(ValueError, match="start_method"):
+        BatchLoader(make(remote), num_workers=2, start_method="threads")
 
 
 def test_position_ids_reset_after_eos():
