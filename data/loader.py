@@ -1,11 +1,12 @@
 """BatchLoader: TokenStream batches produced by DataLoader worker processes, in the same order and with
 the same exact state as calling `stream.next_batch()` in a loop.
 
-Worker w of n produces this rank's batches number m (counted from where the loader started) with
-m % n == w; torch's DataLoader hands the workers' outputs back round-robin, so the sequence is the same
-for any number of workers (0 = no worker processes). Workers may prefetch ahead, but the state only
-counts batches the caller has received: `state_dict()` after k batches equals the stream's state after
-k calls of `next_batch()`, and a resume neither skips nor repeats a sample.
+Worker w of n produces this rank's batches in groups of g consecutive ones, group j when j % n == w
+(counted from where the loader started); torch's DataLoader hands the workers' outputs back
+round-robin, so the sequence is the same for any number of workers (0 = no worker processes).
+Workers may prefetch ahead, but the state only counts batches the caller has received:
+`state_dict()` after k batches equals the stream's state after k calls of `next_batch()`, and a
+resume neither skips nor repeats a sample.
 
 How workers start: local shards fork (fast, and nothing but memory-mapped files is used in the worker).
 Remote shards use a fork server instead: s3fs/aiobotocore keep an event-loop thread, sockets and locks
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -28,6 +31,7 @@ from data.shards import is_local
 from data.stream import BatchWithPositions, TokenStream
 
 START_METHODS = ("fork", "forkserver", "spawn")
+MESSAGE_TOKENS = 1 << 16  # a worker sends batches in groups of at least this many tokens (up to 16 batches)
 
 
 def default_start_method(stream: TokenStream) -> str:
@@ -46,24 +50,42 @@ def _context(method: str, stream: TokenStream) -> multiprocessing.context.BaseCo
 
 
 class _WorkerBatches(IterableDataset):
-    """Batches start+w, start+w+n, ... of a private copy of the stream (w = this worker of n)."""
+    """Groups of `group` consecutive batches of a private copy of the stream: group j = batches
+    start + j*group ... start + j*group + group - 1 (counted in global batches), for j = w, w+n, ...
+    (w = this worker of n). Each batch is a tuple of numpy arrays: (tokens,) or (tokens, positions, mask)."""
 
-    def __init__(self, stream: TokenStream, start: int, with_positions: bool) -> None:
-        self.stream, self.start, self.with_positions = stream, start, with_positions
+    def __init__(self, stream: TokenStream, start: int, with_positions: bool, group: int = 1) -> None:
+        self.stream, self.start, self.with_positions, self.group = stream, start, with_positions, group
 
-    def __iter__(self) -> Iterator[torch.Tensor | BatchWithPositions]:
+    def __iter__(self) -> Iterator[list[tuple[np.ndarray, ...]]]:
         info = get_worker_info()
         worker, n = (info.id, info.num_workers) if info else (0, 1)
         stream = copy.copy(self.stream)
         stream.shards = self.stream.shards.reopen()  # own file handles / S3 session in this process
         stream.state = copy.copy(self.stream.state)
-        b = stream.global_batch
-        m = worker
+        j = worker
         while True:
-            stream.state.samples_consumed = self.start + m * b
-            batch = stream.next_batch()
-            yield stream.with_positions(batch) if self.with_positions else batch
-            m += n
+            stream.state.samples_consumed = self.start + j * self.group * stream.global_batch
+            out = []
+            for _ in range(self.group):
+                tokens = stream.next_batch()
+                if self.with_positions:
+                    out.append((tokens.numpy(), stream.positions(tokens).numpy(), stream.loss_mask(tokens).numpy()))
+                else:
+                    out.append((tokens.numpy(),))
+            yield out
+            j += n
+
+
+def _as_is(batch: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, ...]]:
+    """collate_fn: keep numpy arrays, which pickle by value (one memcpy); torch tensors would cross to
+    the main process through a shared-memory segment and file descriptor per tensor, ~1 ms each."""
+    return batch
+
+
+def _to_torch(arrays: tuple[np.ndarray, ...]) -> torch.Tensor | BatchWithPositions:
+    tensors = [torch.from_numpy(a) for a in arrays]
+    return tensors[0] if len(tensors) == 1 else BatchWithPositions(*tensors)
 
 
 @dataclass
@@ -86,6 +108,7 @@ class BatchLoader:
                  with_positions: bool = False, timeout_s: float = 300.0, start_method: str | None = None) -> None:
         self._it: Iterator | None = None  # first: __del__ runs even when a check below raises
         self._loader: DataLoader | None = None
+        self._ready: deque[tuple[np.ndarray, ...]] = deque()  # received, not yet handed out
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
         if start_method is not None and start_method not in START_METHODS:
@@ -93,13 +116,18 @@ class BatchLoader:
         self.stream, self.num_workers, self.prefetch_factor = stream, num_workers, prefetch_factor
         self.with_positions, self.timeout_s = with_positions, timeout_s
         self.start_method = start_method or default_start_method(stream)
+        # Batches per message from a worker: enough tokens that the per-message cost (~1 ms of pickling,
+        # pipe and wake-ups) stays small next to the data; 1 without workers.
+        tokens = stream.local_batch * (stream.seq_len + 1)
+        self.group = 1 if num_workers == 0 else max(1, min(16, -(-MESSAGE_TOKENS // tokens)))
 
     def _start(self) -> Iterator:
+        batches = _WorkerBatches(self.stream, self.stream.state.samples_consumed, self.with_positions, self.group)
         if self.num_workers == 0:
-            return iter(_WorkerBatches(self.stream, self.stream.state.samples_consumed, self.with_positions))
+            return iter(batches)
         self._loader = DataLoader(
-            _WorkerBatches(self.stream, self.stream.state.samples_consumed, self.with_positions),
-            batch_size=None, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+            batches,
+            batch_size=None, collate_fn=_as_is, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
             persistent_workers=False, timeout=self.timeout_s,
             multiprocessing_context=_context(self.start_method, self.stream),
         )
@@ -111,13 +139,16 @@ class BatchLoader:
     def __next__(self) -> torch.Tensor | BatchWithPositions:
         if self._it is None:
             self._it = self._start()
-        batch = next(self._it)
+        if not self._ready:
+            self._ready.extend(next(self._it))
+        batch = _to_torch(self._ready.popleft())
         self.stream.state.samples_consumed += self.stream.global_batch
         return batch
 
     def close(self) -> None:
         """Stop the worker processes (a later `next()` restarts them from the current state)."""
         it, self._it, self._loader = self._it, None, None
+        self._ready.clear()
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()

@@ -102,9 +102,13 @@ def test_stream_positions_and_loss_mask_follow_documents(local_dataset):  # noqa
             p = 0 if tok == eos else p + 1
             assert mask[t] == (tok != eos)
         assert pos == expect
+    ref = make(local_dataset, batch=8)
     with BatchLoader(make(local_dataset, batch=8), num_workers=2, with_positions=True) as loader:
-        first = next(loader)
-    assert torch.equal(first.positions, b.positions) and torch.equal(first.loss_mask, b.loss_mask)
+        assert loader.group > 1  # several batches per message from a worker: cross a few groups below
+        for _ in range(3 * loader.group):
+            got, want = next(loader), ref.next_batch_with_positions()
+            for name in ("tokens", "positions", "loss_mask"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_a_corrupt_shard_read_by_a_worker_is_named(local_dataset, tmp_path):  # noqa: F811
