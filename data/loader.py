@@ -18,7 +18,11 @@ torch already imported, so each worker still starts in milliseconds; it opens it
 from __future__ import annotations
 
 import copy
+import ctypes
 import multiprocessing
+import os
+import signal
+import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,6 +81,19 @@ class _WorkerBatches(IterableDataset):
             j += n
 
 
+def _die_with_parent(worker_id: int) -> None:
+    """worker_init_fn: SIGKILL this worker when its parent dies (Linux). A rank that is killed never tells
+    its workers to stop, and a worker blocked sending a batch into a pipe nobody reads would never exit:
+    it would hold its memory and the job's stdout/stderr open forever."""
+    if sys.platform != "linux":
+        return
+    # The OS parent is the rank (fork) or the fork server, which exits when the rank does.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()  # the rank, whatever the start method
+    if parent is not None and not parent.is_alive():  # it died before the line above took effect
+        os._exit(1)
+
+
 def _as_is(batch: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, ...]]:
     """collate_fn: keep numpy arrays, which pickle by value (one memcpy); torch tensors would cross to
     the main process through a shared-memory segment and file descriptor per tensor, ~1 ms each."""
@@ -128,7 +145,7 @@ class BatchLoader:
         self._loader = DataLoader(
             batches,
             batch_size=None, collate_fn=_as_is, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-            persistent_workers=False, timeout=self.timeout_s,
+            persistent_workers=False, timeout=self.timeout_s, worker_init_fn=_die_with_parent,
             multiprocessing_context=_context(self.start_method, self.stream),
         )
         return iter(self._loader)

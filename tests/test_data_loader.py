@@ -126,3 +126,45 @@ def test_a_corrupt_shard_read_by_a_worker_is_named(local_dataset, tmp_path):  # 
         for _ in range(400):  # the first epoch reads every shard
             next(loader)
     loader.close()
+
+
+def test_workers_die_with_a_killed_rank(local_dataset):  # noqa: F811
+    """A SIGKILLed rank never stops its workers; they must not outlive it (a worker blocked sending into
+    a pipe nobody reads would otherwise hang forever, holding memory and the job's stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    code = (
+        "import sys, time\n"
+        "from data.loader import BatchLoader\nfrom data.shards import ShardSet\nfrom data.stream import TokenStream\n"
+        f"s = TokenStream(ShardSet({local_dataset.root!r}), 16, 4, seed=5, val_fraction=0.05)\n"
+        "loader = BatchLoader(s, num_workers=2)\nnext(loader)\n"
+        "print(*[w.pid for w in loader._it._workers], flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 3  # torch's own parent check alone takes 5 s or never ends
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+        assert not alive, f"workers {alive} outlived their killed parent"
+    finally:
+        proc.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
