@@ -1,1 +1,1 @@
-"""The supervisor around torchrun (elastic restarts, hang detection): not built yet."""
+"""The elastic launcher: `python -m launch` supervises torchrun's elastic agent (see elastic.py)."""

@@ -26,14 +26,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
     from data.shards import ShardError
     from trainer.checkpoint import CheckpointError
+    from trainer.fault import EXIT_PREEMPTED, Preempted
     from trainer.loop import NonFiniteError, train
 
     try:
-        train(cfg)
+        record(train)(cfg)  # an unexpected exception lands in torchelastic's error file for the launcher
+    except Preempted as e:
+        print(f"[rekindle] {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except (ConfigError, ShardError, CheckpointError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
+        ErrorHandler().record_exception(e)  # the launcher's ledger names the cause (no-op without torchrun)
         return 2 if isinstance(e, ConfigError) else 1
     return 0
 

@@ -23,6 +23,7 @@ import re
 import signal
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -107,8 +108,10 @@ class _PendingSave:
 class Checkpointer:
     """Saves and restores model + optimizer + train state; one instance per rank, all calls collective."""
 
-    def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False) -> None:
+    def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False,
+                 on_commit: Callable[[int], None] | None = None) -> None:
         self.root, self.info, self.keep, self.keep_every, self.async_ = root, info, keep, keep_every, async_
+        self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
         self._pending: _PendingSave | None = None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_ else None
         # Async saves run their collectives in a background thread: give them their own group, or
@@ -187,6 +190,8 @@ class Checkpointer:
                 self.prune()
             except Exception as e:  # noqa: BLE001
                 errors.append(f"rank 0: writing {COMMIT} failed: {type(e).__name__}: {e}")
+        if not errors and self.info.is_main and self.on_commit:
+            self.on_commit(state.step)
         errors = self._broadcast(errors)
         if errors:
             raise CheckpointError(f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors))

@@ -96,9 +96,14 @@ class DistConfig:
 
 @dataclass
 class FaultConfig:
-    heartbeat_s: float = 1.0
-    hang_timeout_s: float = 60.0
-    preempt_grace_s: float = 30.0
+    # Read by the launcher (python -m launch) and by the trainer; plain torchrun uses the timeouts only.
+    heartbeat_s: float = 0.5  # how often the launcher's watchdog reads the ranks' heartbeats
+    hang_timeout_s: float = 60.0  # no step finished for this long (after the first step) = a hung rank
+    preempt_grace_s: float = 30.0  # SIGTERM: the emergency checkpoint must be committed within this
+    collective_timeout_s: float = 120.0  # collective timeout after the first step (dist.timeout_s before it)
+    max_restarts: int = 10  # launcher restart budget (--max-restarts overrides)
+    restart_backoff_s: float = 1.0  # wait before a restart after a failure that made no progress; doubles
+    crash_loop_repeats: int = 3  # the same failure at the same step this many times in a row = crash loop
 
 
 @dataclass
@@ -248,7 +253,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         "model.vocab_size": m.vocab_size, "model.seq_len": m.seq_len, "train.steps": t.steps,
         "train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch,
         "train.log_every": t.log_every, "train.max_bad_steps": t.max_bad_steps,
-        "model.multiple_of": m.multiple_of,
+        "model.multiple_of": m.multiple_of, "fault.heartbeat_s": cfg.fault.heartbeat_s,
+        "fault.hang_timeout_s": cfg.fault.hang_timeout_s, "fault.preempt_grace_s": cfg.fault.preempt_grace_s,
+        "fault.crash_loop_repeats": cfg.fault.crash_loop_repeats,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -259,7 +266,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "checkpoint.every": cfg.checkpoint.every, "checkpoint.keep_every": cfg.checkpoint.keep_every,
         "data.num_workers": cfg.data.num_workers, "log.peak_tflops": cfg.log.peak_tflops,
-        "train.min_lr": t.min_lr,
+        "train.min_lr": t.min_lr, "fault.collective_timeout_s": cfg.fault.collective_timeout_s,
+        "fault.max_restarts": cfg.fault.max_restarts, "fault.restart_backoff_s": cfg.fault.restart_backoff_s,
     }
     for key, value in non_negative.items():
         if value < 0:

@@ -14,7 +14,7 @@ from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
 from data.stream import BatchWithPositions, TokenStream
-from trainer import checkpoint, parallel
+from trainer import checkpoint, fault, parallel
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.metrics import MetricsLog, memory_mb, peak_flops
@@ -87,15 +87,22 @@ def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo, m
 
 
 def train(cfg: Config) -> dict:
-    """Run (or resume) the training job described by cfg; returns the final summary."""
+    """Run (or resume) the training job described by cfg; returns the final summary.
+
+    Raises fault.Preempted after committing an emergency checkpoint when SIGTERM arrives."""
+    fault.die_with_launcher()
     info = parallel.init_distributed(cfg.dist)
+    heartbeat, preemption = fault.Heartbeat(info.rank), fault.PreemptionFlag()
     try:
-        return _train(cfg, info)
+        return _train(cfg, info, heartbeat, preemption)
     finally:
+        preemption.close()
+        heartbeat.close()
         parallel.shutdown()
 
 
-def _train(cfg: Config, info: parallel.DistInfo) -> dict:
+def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
+           preemption: fault.PreemptionFlag) -> dict:
     validate(cfg, info.world)
     t, ck = cfg.train, cfg.checkpoint
     micro_batch = micro_batch_size(cfg, info.world)
@@ -128,8 +135,10 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
         f"= {info.world} ranks x {accum} micro x {micro_batch} | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
 
     # --- resume
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_)
+    on_commit = (lambda step: fault.append_event(run_dir, "commit", step=step)) if info.is_main else None
+    ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit)
     state = checkpoint.TrainState(world=info.world, config_sha256=cfg.sha256())
+    heartbeat.beat("load", t_load=time.time())
     if ck.resume != "never":
         latest = ckpt.discover_latest()
         if latest is None and ck.resume == "required":
@@ -142,6 +151,7 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
                 f"saved by {state.world} rank(s))")
         else:
             say(f"no committed checkpoint in {cfg.checkpoint_dir}: starting fresh")
+    heartbeat.beat("loaded", step=state.step, t_loaded=time.time(), resumed_step=state.step)
 
     # --- loop
     metrics = MetricsLog(cfg.run.dir, t.steps, state.step, info.is_main, cfg.log.progress)
@@ -149,8 +159,10 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
     bad_steps, skipped_total, loss_sum, window_start, window_steps, data_wait = 0, 0, 0.0, time.perf_counter(), 0, 0.0
     eval_loss, run_start, start_step = float("nan"), time.perf_counter(), state.step
     model.train()
+    busy_s = 0.0  # time spent in training steps this attempt (goodput's numerator)
     while state.step < t.steps:
         step = state.step + 1
+        fault.inject_faults(step, info.rank)
         data_start = time.perf_counter()
         micros = micro_batches(next(loader), micro_batch, cfg, info.device)
         data_wait += time.perf_counter() - data_start
@@ -182,12 +194,17 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
         optimizer.zero_grad(set_to_none=True)
         state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
         ckpt.poll()  # completes (or fails loudly) a background save once every rank has written it
+        busy_s += time.perf_counter() - data_start
+        heartbeat.beat("train", step=step, busy_s=busy_s, steps_run=step - start_step)
+        if step == start_step + 1:  # start-up is over: hangs from here on should fail fast
+            parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
         loss_sum += float(step_loss)
         window_steps += 1
         metrics.step(step)
 
         is_last = step == t.steps
         if (t.eval_every and step % t.eval_every == 0) or is_last:
+            heartbeat.beat("eval")
             eval_loss = evaluate(model, stream, cfg, info, micro_batch)
         if step % t.log_every == 0 or is_last or (t.eval_every and step % t.eval_every == 0):
             elapsed = time.perf_counter() - window_start
@@ -204,10 +221,25 @@ def _train(cfg: Config, info: parallel.DistInfo) -> dict:
                 record["eval_loss"] = eval_loss
             metrics.log(record)
             loss_sum, window_steps, data_wait, window_start = 0.0, 0, 0.0, time.perf_counter()
-        if (ck.every and step % ck.every == 0) or is_last:
+        saved = (ck.every and step % ck.every == 0) or is_last
+        if saved:
+            heartbeat.beat("save")
             state.data = loader.state_dict()
             path = ckpt.save(state, model, optimizer, blocking=is_last or not ck.async_)  # the last one: sync
             metrics.event(f"[rekindle] checkpoint step {step} -> {path} ({ckpt.last_blocking_s:.2f}s blocking)")
+        if not is_last and preemption.requested(info.world, info.device):
+            heartbeat.beat("preempt")
+            if saved:
+                ckpt.wait()  # an async save of this very step: let it commit
+            else:
+                state.data = loader.state_dict()
+                ckpt.save(state, model, optimizer, blocking=True)
+            loader.close()
+            ckpt.close()
+            metrics.close()
+            say(f"SIGTERM: emergency checkpoint of step {step} committed; exiting with code {fault.EXIT_PREEMPTED}")
+            raise fault.Preempted(step)
+        heartbeat.beat("train")
     loader.close()
     ckpt.wait()
     ckpt.close()

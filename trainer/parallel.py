@@ -122,3 +122,14 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip FSDP's reduce-scatter on micro-batches before the last one of an accumulation."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
+
+
+def set_collective_timeout(seconds: float, info: DistInfo) -> None:
+    """Shorten the default group's collective timeout once start-up (slow, uneven) is over.
+
+    A barrier first, so no rank runs a collective under the short timeout while another is still
+    in its first step under the long one (torchtitan does the same after its first step)."""
+    if info.world == 1 or seconds <= 0:
+        return
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))

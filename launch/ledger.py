@@ -1,0 +1,116 @@
+"""The run's event ledger (`run.dir/events.jsonl`, shared with the trainer's `commit` events) and
+the end-of-run accounting: restarts, lost steps, recovery times and goodput.
+
+Goodput = productive step time / wall time. Productive time is the time ranks spent in training
+steps whose results survived: steps redone after a restart (lost steps) and all start-up, loading,
+eval and checkpoint time count as unproductive."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.fault import append_event
+
+
+@dataclass
+class Attempt:
+    """One start of the worker group, seen through the heartbeats of this node's lowest rank."""
+
+    n: int
+    started: float
+    resumed_step: int | None = None
+    last_step: int = 0
+    busy_s: float = 0.0
+    steps_run: int = 0
+    first_step_at: float = 0.0
+
+
+@dataclass
+class Ledger:
+    run_dir: Path
+    node: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    started: float = field(default_factory=time.time)
+    attempts: list[Attempt] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
+    resumes: list[dict] = field(default_factory=list)
+
+    def event(self, name: str, **fields: Any) -> dict:
+        return append_event(self.run_dir, name, node=self.node, **fields)
+
+    # ------------------------------------------------------------------ attempts
+    def attempt_started(self, n: int) -> None:
+        self.attempts.append(Attempt(n=n, started=time.time()))
+
+    def observe(self, beat: dict) -> dict | None:
+        """Fold in the current attempt's heartbeat; returns the `resume` event once its first step is done."""
+        if not self.attempts:
+            return None
+        a = self.attempts[-1]
+        if a.resumed_step is None and beat.get("t_loaded"):
+            a.resumed_step = beat["resumed_step"]
+        a.last_step, a.busy_s, a.steps_run = beat["step"], beat["busy_s"], beat["steps_run"]
+        if a.first_step_at or not beat.get("t_first"):
+            return None
+        a.first_step_at = beat["t_first"]
+        if len(self.attempts) == 1 or not self.failures:
+            return None
+        failed = self.failures[-1]
+        lost = max(self.attempts[-2].last_step - a.resumed_step, 0)
+        resume = {
+            "step": a.resumed_step, "lost_steps": lost, "recovery_s": round(beat["t_first"] - failed["time"], 3),
+            "restart_s": round(beat["t_load"] - failed["time"], 3),
+            "spawn_s": round(beat["t_proc"] - failed["time"], 3),  # stop the group, rendezvous, fork/exec
+            "startup_s": round(beat["t_load"] - beat["t_proc"], 3),  # import torch, join the group, build the model
+            "load_s": round(beat["t_loaded"] - beat["t_load"], 3),
+            "first_step_s": round(beat["t_first"] - beat["t_loaded"], 3),
+        }
+        self.resumes.append(resume)
+        return self.event("resume", **resume)
+
+    def failure(self, **fields: Any) -> dict:
+        record = self.event("failure", **fields)
+        self.failures.append(record)
+        return record
+
+    # ------------------------------------------------------------------ accounting
+    def productive_s(self) -> float:
+        total = 0.0
+        for i, a in enumerate(self.attempts):
+            if not a.steps_run:
+                continue
+            kept = a.steps_run
+            if i + 1 < len(self.attempts) and self.attempts[i + 1].resumed_step is not None:
+                start = a.last_step - a.steps_run
+                kept = max(min(a.last_step, self.attempts[i + 1].resumed_step) - start, 0)
+            total += a.busy_s * kept / a.steps_run
+        return total
+
+    def summary(self, ended: float | None = None) -> dict:
+        wall = (ended or time.time()) - self.started
+        return {
+            "wall_s": round(wall, 3), "restarts": max(len(self.attempts) - 1, 0), "failures": len(self.failures),
+            "lost_steps": sum(r["lost_steps"] for r in self.resumes),
+            "recovery_s": [r["recovery_s"] for r in self.resumes],
+            "productive_s": round(self.productive_s(), 3),
+            "goodput": round(self.productive_s() / wall, 4) if wall > 0 else 0.0,
+            "final_step": self.attempts[-1].last_step if self.attempts else 0,
+        }
+
+
+def read_events(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_summary(s: dict) -> str:
+    recov = ", ".join(f"{r:.1f}s" for r in s["recovery_s"]) or "none"
+    return (f"{s['restarts']} restart(s), {s['lost_steps']} lost step(s), recovery {recov}, "
+            f"goodput {100 * s['goodput']:.1f}% ({s['productive_s']:.1f}s productive of {s['wall_s']:.1f}s wall)")

@@ -1,0 +1,72 @@
+"""Restart policy: what to do after a failure. Restart at once after a failure that came after
+progress; back off (doubling) when restarts make no progress; stop early on a crash loop (the same
+failure at the same step `repeats` times in a row) or on bad input, instead of spending the budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EXIT_FAILED = 1  # restart budget spent, or a failure that restarting cannot fix
+EXIT_USAGE = 2  # bad command line or config (and workers that exit 2: bad input)
+EXIT_CRASH_LOOP = 3  # the same failure at the same step again and again
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    cause: str  # exit | signal | hang | preemption
+    step: int  # the step that was running (last finished step + 1)
+    exit_code: int | None = None
+    signal: str | None = None
+    message: str = ""  # one line: the exception, the signal, or the hang diagnosis
+
+    def signature(self) -> tuple:
+        return self.cause, self.exit_code, self.signal, self.step, self.message
+
+    def describe(self) -> str:
+        how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",
+               "hang": "hung", "preemption": "was preempted (SIGTERM)"}[self.cause]
+        text = f"rank {self.rank} {how} at step {self.step}"
+        return f"{text}: {self.message}" if self.message else text
+
+
+@dataclass
+class Decision:
+    restart: bool
+    delay_s: float = 0.0
+    exit_code: int = 0
+    reason: str = ""
+
+
+@dataclass
+class RestartPolicy:
+    max_restarts: int
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    crash_loop_repeats: int = 3
+    history: list[Failure] = field(default_factory=list)
+    restarts: int = 0
+
+    def decide(self, failure: Failure) -> Decision:
+        self.history.append(failure)
+        if failure.cause == "exit" and failure.exit_code == EXIT_USAGE:
+            return Decision(False, exit_code=EXIT_USAGE,
+                            reason=f"{failure.describe()}\nbad input (exit code 2): restarting cannot fix it")
+        tail = self.history[-self.crash_loop_repeats:]
+        if len(tail) == self.crash_loop_repeats and len({f.signature() for f in tail}) == 1:
+            return Decision(False, exit_code=EXIT_CRASH_LOOP, reason=(
+                f"crash loop: the same failure {self.crash_loop_repeats} times in a row, each at step "
+                f"{failure.step}: {failure.describe()}\nnot restarting again ({self.max_restarts - self.restarts} "
+                f"restart(s) of the budget left); fix the cause, then launch again to resume"))
+        if self.restarts >= self.max_restarts:
+            return Decision(False, exit_code=EXIT_FAILED, reason=(
+                f"restart budget spent ({self.max_restarts} restart(s)); last failure: {failure.describe()}"))
+        # Back off only while restarts do not get past the furthest step any attempt reached.
+        best, streak = -1, 0
+        for f in self.history:
+            if f.cause == "preemption":
+                continue
+            best, streak = (f.step, 0) if f.step > best else (best, streak + 1)
+        self.restarts += 1
+        delay = min(self.backoff_s * 2 ** (streak - 1), self.max_backoff_s) if streak else 0.0
+        return Decision(True, delay_s=delay)

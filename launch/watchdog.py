@@ -1,0 +1,90 @@
+"""Hang detection for one node's ranks: reads the heartbeat records the trainer rewrites after every
+step (`trainer.fault.Heartbeat`) and declares a rank hung when no step has finished for
+`hang_timeout_s`. It arms only once a rank has finished its first step of the current attempt
+(start-up, compile and checkpoint loading are not steps), and it says *why* a rank is stuck:
+stopped (SIGSTOP, state T), spinning (busy CPU), or waiting (asleep in a collective or in I/O)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.fault import read_heartbeats
+
+
+@dataclass
+class Hang:
+    rank: int
+    pid: int
+    step: int
+    stale_s: float
+    state: str  # stopped | spinning | waiting | gone
+
+    def describe(self) -> str:
+        what = {"stopped": "is stopped (SIGSTOP or a debugger)", "spinning": "is spinning (busy CPU, no progress)",
+                "waiting": "is waiting (in a collective or I/O)", "gone": "has vanished"}[self.state]
+        return (f"rank {self.rank} (pid {self.pid}) {what}: no step finished for {self.stale_s:.1f}s "
+                f"after step {self.step}")
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, utime + stime in clock ticks) of a process, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+class Watchdog:
+    """Per-node hang detector over a heartbeat directory (one file per local rank)."""
+
+    def __init__(self, directory: str | Path, hang_timeout_s: float) -> None:
+        self.directory = Path(directory)
+        self.hang_timeout_s = hang_timeout_s
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._cpu: dict[int, tuple[float, int]] = {}  # pid -> (time, cpu ticks) at the previous check
+
+    def reset(self) -> None:
+        """Forget the previous attempt's records (called before workers start)."""
+        for path in self.directory.glob("rank-*.json"):
+            path.unlink(missing_ok=True)
+        self._cpu.clear()
+
+    def beats(self, attempt: int) -> dict[int, dict]:
+        """This attempt's heartbeat records by global rank."""
+        return {r: b for r, b in read_heartbeats(self.directory).items() if b.get("attempt") == attempt}
+
+    def check(self, attempt: int, now: float | None = None) -> Hang | None:
+        """The most likely culprit when some armed rank has not finished a step within the timeout."""
+        now = time.time() if now is None else now
+        beats = self.beats(attempt)
+        stale = [b for b in beats.values() if b.get("t_first") and now - b["t"] > self.hang_timeout_s]
+        hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], self._state(b["pid"], now)) for b in stale]
+        for b in beats.values():  # CPU time sampled about once a second tells spinning from waiting
+            stat = _proc_stat(b["pid"])
+            if stat and now - self._cpu.get(b["pid"], (0.0, 0))[0] >= 1.0:
+                self._cpu[b["pid"]] = (now, stat[1])
+        if not hangs:
+            return None
+        order = {"stopped": 0, "spinning": 1, "gone": 2, "waiting": 3}
+        return min(hangs, key=lambda h: (order[h.state], h.step, h.rank))
+
+    def _state(self, pid: int, now: float) -> str:
+        stat = _proc_stat(pid)
+        if stat is None:
+            return "gone"
+        letter, ticks = stat
+        if letter in "Tt":
+            return "stopped"
+        then, then_ticks = self._cpu.get(pid, (0.0, 0))
+        if now - then < 0.2 or now - then > 10:  # no usable recent sample: trust the scheduler state
+            return "spinning" if letter == "R" else "waiting"
+        busy = (ticks - then_ticks) / os.sysconf("SC_CLK_TCK") / (now - then)
+        return "spinning" if busy > 0.5 else "waiting"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,177 @@
+"""The elastic launcher under real faults: a rank SIGKILLed mid-run, a rank SIGSTOPped (hang), the
+launcher SIGTERMed (preemption), a crash loop, and two launchers training one job over loopback
+c10d rendezvous. Every process is real (torch's elastic agent, gloo ranks); every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, SMOKE, child_env, free_port, read_metrics
+
+from launch.ledger import read_events
+from trainer.checkpoint import Checkpointer
+from trainer.fault import read_heartbeats
+from trainer.parallel import DistInfo
+
+SOLO = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+FAST = ["log.progress=false", "train.log_every=1", "train.eval_every=0", "fault.heartbeat_s=0.2",
+        "fault.restart_backoff_s=0.2"]
+
+
+def launch(run_dir: Path, overrides: list[str] = (), nproc: int = 2, extra_args: list[str] = (),
+           env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "launch", f"--nproc-per-node={nproc}", *extra_args, str(SMOKE),
+           f"run.dir={run_dir}", *FAST, *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 150) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"launcher did not finish within {timeout}s:\n{out[-4000:]}") from None
+    return out
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 90, rank: int = 0) -> dict:
+    """The heartbeat record of `rank` once it has finished `step` (bounded wait)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for directory in run_dir.glob("heartbeats-*"):
+            beat = read_heartbeats(directory).get(rank)
+            if beat and beat["step"] >= step and beat["phase"] == "train":
+                return beat
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} did not reach step {step} within {timeout}s")
+
+
+def load_final(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The newest committed checkpoint's model parameters, loaded on one process (resharded)."""
+    from test_checkpoint import smoke_model
+
+    model, opt = smoke_model()
+    ckpt = Checkpointer(str(run_dir / "checkpoints"), SOLO)
+    state = ckpt.load(ckpt.discover_latest(), model, opt)
+    return {"step": state.step, **{k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory) -> Path:
+    """An uninterrupted 2-rank launcher run of 60 steps (checkpoint every 10)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    out = finish(launch(run_dir, ["train.steps=60", "checkpoint.every=10"]))
+    assert "done: 0 restart(s)" in out, out[-3000:]
+    return run_dir
+
+
+def test_sigkilled_rank_restarts_and_matches_an_uninterrupted_run(reference, tmp_path):
+    proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10"])
+    victim = wait_for_step(tmp_path, 25, rank=1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+
+    events = read_events(tmp_path)
+    failures = [e for e in events if e["event"] == "failure"]
+    assert len(failures) == 1 and failures[0]["rank"] == 1 and failures[0]["signal"] == "SIGKILL", failures
+    resume = next(e for e in events if e["event"] == "resume")
+    assert resume["step"] >= 20 and resume["lost_steps"] <= 10 + 2, resume
+    assert events[-1]["event"] == "done" and events[-1]["restarts"] == 1
+
+    ours, theirs = read_metrics(tmp_path), read_metrics(reference)
+    assert [ours[s]["loss"] for s in range(1, 61)] == [theirs[s]["loss"] for s in range(1, 61)]
+    a, b = load_final(tmp_path), load_final(reference)
+    assert a["step"] == b["step"] == 60
+    for name in b:
+        assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])), name
+
+
+def test_sigstopped_rank_is_detected_as_hung_and_the_run_completes(cache_dir, tmp_path):
+    hang_timeout = 4.0
+    proc = launch(tmp_path, ["train.steps=80", "checkpoint.every=10", f"fault.hang_timeout_s={hang_timeout}"])
+    victim = wait_for_step(tmp_path, 15, rank=1)
+    stopped_at = time.time()
+    os.kill(victim["pid"], signal.SIGSTOP)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    failure = next(e for e in read_events(tmp_path) if e["event"] == "failure")
+    assert failure["cause"] == "hang" and failure["rank"] == 1 and "stopped" in failure["message"], failure
+    detected_after = failure["time"] - stopped_at
+    assert detected_after <= hang_timeout + 2.0, f"hang detected after {detected_after:.1f}s"
+    assert read_metrics(tmp_path)[80]["step"] == 80
+
+
+def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_dir, tmp_path):
+    overrides = ["train.steps=150", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
+    proc = launch(tmp_path, overrides)
+    beat = wait_for_step(tmp_path, 20)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc, timeout=60)
+    assert proc.returncode == 75, out[-4000:]
+    events = read_events(tmp_path)
+    commits = [e["step"] for e in events if e["event"] == "commit"]
+    assert commits and commits[-1] >= beat["step"], (commits, beat["step"])  # nothing finished is lost
+    assert events[-1]["event"] == "done" and events[-1]["outcome"] == "preempted"
+
+    again = launch(tmp_path, overrides)
+    out = finish(again)
+    assert again.returncode == 0, out[-4000:]
+    assert f"resumed from step {commits[-1]}" in out
+    assert read_metrics(tmp_path)[150]["step"] == 150
+
+
+def test_crash_loop_stops_early_with_its_own_exit_code_and_names_the_cause(cache_dir, tmp_path):
+    proc = launch(tmp_path, ["train.steps=40", "checkpoint.every=5", "fault.crash_loop_repeats=3",
+                             "fault.max_restarts=10"], env={"REKINDLE_FAIL_AT": "12:1"})
+    out = finish(proc)
+    assert proc.returncode == 3, out[-4000:]
+    assert "crash loop" in out and "injected failure at step 12" in out
+    events = read_events(tmp_path)
+    failures = [e for e in events if e["event"] == "failure"]
+    assert len(failures) == 3 and all(f["step"] == 12 and f["rank"] == 1 for f in failures), failures
+    assert "RuntimeError: injected failure at step 12" in failures[0]["message"]
+    assert "inject_faults" in failures[0]["traceback"]
+    assert sum(e["event"] == "restart" for e in events) == 2
+
+
+def test_two_launchers_train_one_job_over_loopback_rendezvous(cache_dir, tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes"]
+    nodes = [launch(tmp_path, ["train.steps=20", "checkpoint.every=10"], nproc=1, extra_args=args) for _ in range(2)]
+    outs = [finish(p) for p in nodes]
+    for p, out in zip(nodes, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    log = "".join(outs)
+    assert "world 2 (gloo" in log, log[-3000:]
+    assert read_metrics(tmp_path)[20]["step"] == 20
+    assert json.loads((tmp_path / "checkpoints" / "step-00000020" / "COMMIT.json").read_text())["world"] == 2
+
+
+def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir, tmp_path):
+    """--nnodes 1:2: SIGKILL the second launcher (its rank dies with it); the first resumes alone
+    from the 2-rank checkpoint (resharded) with the same global batch."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
+    overrides = ["train.steps=60", "checkpoint.every=10"]
+    host = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    time.sleep(1.0)  # the first launcher hosts the rendezvous store
+    guest = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    wait_for_step(tmp_path, 15)
+    os.killpg(guest.pid, signal.SIGKILL)
+    guest.wait(timeout=30)
+    out = finish(host)
+    assert host.returncode == 0, out[-4000:]
+    assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
+    assert "saved by 2 rank(s)" in out
+    assert read_metrics(tmp_path)[60]["step"] == 60
