@@ -82,9 +82,12 @@ class _WorkerBatches(IterableDataset):
 
 
 def _die_with_parent(worker_id: int) -> None:
-    """worker_init_fn: SIGKILL this worker when its parent dies (Linux). A rank that is killed never tells
-    its workers to stop, and a worker blocked sending a batch into a pipe nobody reads would never exit:
-    it would hold its memory and the job's stdout/stderr open forever."""
+    """worker_init_fn: ignore SIGTERM, and get SIGKILLed when the parent dies (Linux). A rank that is
+    killed never tells its workers to stop, and a worker blocked sending a batch into a pipe nobody
+    reads would never exit: it would hold its memory and the job's stdout/stderr open forever."""
+    # SIGTERM (Slurm sends it to every process) is for the rank to act on: it finishes its step and saves.
+    # A worker that died of it first would make the rank's DataLoader raise in the middle of that.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform != "linux":
         return
     # The OS parent is the rank (fork) or the fork server, which exits when the rank does.
