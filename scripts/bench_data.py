@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -77,24 +78,31 @@ def _count(chunk: list[str]) -> int:
     return sum(len(e.ids) for e in _baseline_tok.encode_batch(chunk, add_special_tokens=False))
 
 
-def baseline_rate(tok, docs: list[str], processes: int) -> float:
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (pools are joined before they are counted)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def baseline_rate(tok, docs: list[str], processes: int) -> tuple[float, float]:
     """Raw encode_batch, one thread per process, on the same chunks prepare uses: in this process for 1,
-    else a spawned pool of `processes` (its start-up counted, as prepare's is)."""
+    else a spawned pool of `processes` (its start-up counted, as prepare's is). Returns (tokens/s, CPU s)."""
     work = list(chunks(docs))
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), cpu_seconds()
     if processes == 1:
         _init(tok.to_str())
         n = sum(map(_count, work))
     else:
         with multiprocessing.get_context("spawn").Pool(processes, _init, (tok.to_str(),)) as pool:
             n = sum(pool.imap(_count, work))
-    return n / (time.perf_counter() - t)
+    return n / (time.perf_counter() - t), cpu_seconds() - cpu
 
 
-def prepare_rate(tok, docs: list[str], processes: int, out: str, shard_tokens: int) -> float:
-    t = time.perf_counter()
+def prepare_rate(tok, docs: list[str], processes: int, out: str, shard_tokens: int) -> tuple[float, float]:
+    t, cpu = time.perf_counter(), cpu_seconds()
     m = prepare(docs, out, tok, shard_tokens=shard_tokens, progress=False, workers=processes)
-    return (m.total_tokens - m.stats["documents"]) / (time.perf_counter() - t)  # tokens without the EOS
+    rate = (m.total_tokens - m.stats["documents"]) / (time.perf_counter() - t)  # tokens without the EOS
+    return rate, cpu_seconds() - cpu
 
 
 # --- 2. loader
@@ -176,11 +184,13 @@ def main() -> int:
             print("\n== data.prepare vs raw encode_batch (same text, same process count, 1 thread per process)")
             rates = {}
             for p in args.processes:
-                base = baseline_rate(tok, docs, p)
-                rates[p] = prep = prepare_rate(tok, docs, p, f"{tmp}/prep{p}", args.shard_tokens)
-                print(f"  {p} process(es): prepare {prep:>11,.0f} tok/s   encode_batch {base:>11,.0f} tok/s   "
-                      f"ratio {prep / base:.2f}   prepare speed-up vs 1 process {prep / rates[args.processes[0]]:.2f}x",
-                      flush=True)
+                base, base_cpu = baseline_rate(tok, docs, p)
+                prep, prep_cpu = prepare_rate(tok, docs, p, f"{tmp}/prep{p}", args.shard_tokens)
+                rates[p] = prep
+                print(f"  {p} process(es): prepare {prep:>9,.0f} tok/s   encode_batch {base:>9,.0f} tok/s   "
+                      f"ratio {prep / base:.2f}   prepare speed-up vs 1 process {prep / rates[args.processes[0]]:.2f}x"
+                      f"   (CPU s: prepare {prep_cpu:.1f}, encode_batch {base_cpu:.1f}; "
+                      f"load {os.getloadavg()[0]:.1f})", flush=True)
 
             local = f"{tmp}/prep{args.processes[0]}"
             remote = upload(Path(local), "s3://bench-data/ds")
