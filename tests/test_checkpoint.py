@@ -1,6 +1,10 @@
 """Checkpoints: bit-exact round trips (local and a real loopback S3), corruption detection with
-fallback, retention, crash-during-save recovery (real SIGKILL), async vs sync, resharding, and a
-checkpoint that tries to run code on load."""
+fallback, retention, crash-during-save recovery (real SIGKILL, also with the checkpoint on S3), async
+vs sync, an async write error stopping every rank, resharding 2->1 and 1->2 with equal parameters,
+and checkpoints that try to run code on load.
+
+Run as a script under torchrun (`tests/test_checkpoint.py reshard-worker ROOT`) it is the 2-rank
+worker of the resharding test."""
 
 from __future__ import annotations
 
@@ -9,14 +13,15 @@ import json
 import os
 import pickle
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMOKE, child_env, read_metrics, run_trainer, trainer_cmd
+from conftest import REPO, SMOKE, child_env, free_port, read_metrics, run_trainer, trainer_cmd
 
-from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState, step_dir
-from trainer.ckpt_storage import UnsafeCheckpointError
+from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState, _commit_digest, step_dir
+from trainer.ckpt_storage import UnsafeCheckpointError, load_metadata
 from trainer.model import ModelArgs, Transformer
 from trainer.parallel import DistInfo
 
@@ -127,11 +132,91 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     commit = json.loads((tmp_path / "step-00000001" / COMMIT).read_text())  # a forger can fix the checksums
     digest = hashlib.sha256(meta.read_bytes()).hexdigest()
     commit["files"][".metadata"] = {"size": meta.stat().st_size, "sha256": digest}
+    commit["sha256"] = _commit_digest(commit)
     (tmp_path / "step-00000001" / COMMIT).write_text(json.dumps(commit))
     assert ckpt.discover_latest() is None  # refused at verification...
     with pytest.raises(UnsafeCheckpointError, match=r"(posix|os)\.system, which is not allowed"):
         ckpt.load(1, *trained(1))  # ...and at load
     assert not marker.exists()
+
+
+def test_data_item_that_would_run_code_is_refused(tmp_path):
+    """DCP's own planner unpickles non-tensor items (optimizer hyper-parameters) with
+    weights_only=False: a forged item must be refused, not run."""
+    ckpt = Checkpointer(str(tmp_path), SOLO)
+    ckpt.save(TrainState(step=1), *trained(0))
+    marker, step = tmp_path / "pwned", tmp_path / "step-00000001"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    meta = load_metadata((step / ".metadata").read_bytes())
+    item = next(k for k in meta.storage_data if k.fqn == "optim.param_groups.0.lr")
+    shard = step / meta.storage_data[item].relative_path
+    payload = bytearray()
+    with __import__("io").BytesIO() as buf:
+        torch.save(Exploit(), buf)
+        payload = buf.getvalue()
+    meta.storage_data[item].offset, meta.storage_data[item].length = shard.stat().st_size, len(payload)
+    shard.write_bytes(shard.read_bytes() + payload)
+    (step / ".metadata").write_bytes(pickle.dumps(meta))
+    commit = json.loads((step / COMMIT).read_text())  # a forger can fix every checksum
+    for name in (shard.name, ".metadata"):
+        data = (step / name).read_bytes()
+        commit["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    commit["sha256"] = _commit_digest(commit)
+    (step / COMMIT).write_text(json.dumps(commit))
+    assert ckpt.discover_latest() == 1  # the forgery verifies...
+    with pytest.raises(UnsafeCheckpointError, match=r"optim\.param_groups\.0\.lr is not plain data"):
+        ckpt.load(1, *trained(1))  # ...but is refused at load
+    assert not marker.exists()
+
+
+def test_any_altered_byte_of_commit_json_is_detected(tmp_path):
+    """COMMIT.json carries a checksum of its own content: a flipped bit that still parses (a size, a
+    time, a name) is caught too."""
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=3)
+    ckpt.save(TrainState(step=1), *trained(0))
+    ckpt.save(TrainState(step=2), *trained(1))
+    path = tmp_path / "step-00000002" / COMMIT
+    good = path.read_bytes()
+    for i in range(0, len(good), 7):
+        bad = bytearray(good)
+        bad[i] ^= 0x01
+        path.write_bytes(bytes(bad))
+        assert ckpt.discover_latest() == 1, (i, bytes(bad[max(0, i - 20):i + 20]))
+    path.write_bytes(good)
+    assert ckpt.discover_latest() == 2
+
+
+def test_failed_save_keeps_every_previous_commit(tmp_path, monkeypatch):
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    model, opt = trained(0)
+    for step in (1, 2):
+        ckpt.save(TrainState(step=step), model, opt)
+    monkeypatch.setenv("REKINDLE_CRASH_AT", "write-error@3")
+    with pytest.raises(CheckpointError, match="step 3 .* not committed: rank 0: .*No space left on device"):
+        ckpt.save(TrainState(step=3), model, opt)
+    assert ckpt.committed_steps() == [1, 2] and not (tmp_path / "step-00000003" / COMMIT).exists()
+    monkeypatch.delenv("REKINDLE_CRASH_AT")
+    ckpt.save(TrainState(step=3), model, opt)  # the leftover is cleared, the save succeeds, step 1 goes
+    assert ckpt.committed_steps() == [2, 3]
+
+
+def test_async_write_error_is_raised_at_the_next_poll(tmp_path, monkeypatch):
+    """In one process: once the background write has failed, the very next poll() (one per training
+    step) raises; optimizer.step() is not left waiting for the copy."""
+    monkeypatch.setenv("REKINDLE_CRASH_AT", "write-error@1")
+    ckpt = Checkpointer(str(tmp_path), SOLO, async_=True)
+    model, opt = trained(0)
+    ckpt.save(TrainState(step=1), model, opt, blocking=False)
+    assert "No space left" in str(ckpt._pending.future.exception(timeout=60))  # the write has failed
+    opt.step()  # returns: the copy is done (the pre-step hook does not block)
+    with pytest.raises(CheckpointError, match="step 1 .* background save failed: rank 0: OSError: .*No space left"):
+        ckpt.poll()
+    assert ckpt.committed_steps() == []
+    ckpt.close()
 
 
 STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=0", "checkpoint.every=4", "checkpoint.keep=5"]
@@ -181,15 +266,117 @@ def test_async_saves_match_sync(two_rank_reference, tmp_path):
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
 def test_resharded_resume_continues_the_same_run(two_rank_reference, cache_dir, tmp_path, first, second):
     """Save with `first` ranks, resume the step-4 checkpoint on `second` ranks: same samples, same
-    losses within reduction-order tolerance."""
+    losses within reduction-order tolerance. Step 12 has a bit flipped in the last rank's shard (on 2
+    ranks, rank 1 verifies that file): every rank must agree to skip it."""
     run_trainer(tmp_path, STEPS, nproc=first)
-    for step in (8, 12):
-        subprocess.run(["rm", "-rf", step_dir(str(tmp_path / "checkpoints"), step)], check=True)
+    subprocess.run(["rm", "-rf", step_dir(str(tmp_path / "checkpoints"), 8)], check=True)
+    corrupt(Path(step_dir(str(tmp_path / "checkpoints"), 12)) / f"__{first - 1}_0.distcp", "flip")
     proc = run_trainer(tmp_path, STEPS, nproc=second)
+    assert f"step 12 is unusable, falling back: {tmp_path}/checkpoints/step-00000012/__{first - 1}_0.distcp fails" \
+        in proc.stdout
     assert "resumed from step 4 " in proc.stdout and f"saved by {first} rank(s)" in proc.stdout
     ref, got = read_metrics(two_rank_reference), read_metrics(tmp_path)
     for step in range(5, 13):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], abs=5e-4), step
+
+
+def test_async_write_error_on_one_rank_stops_every_rank(two_rank_reference, tmp_path):
+    """Rank 1's background write of step 8 fails (disk full): both ranks report it and the run exits
+    nonzero right away, without committing step 8 and long before its next save (step 12)."""
+    proc = subprocess.run(
+        trainer_cmd(2, SMOKE, [f"run.dir={tmp_path}", "log.progress=false", *STEPS, "checkpoint.async=true"]),
+        cwd=REPO, env=child_env(REKINDLE_CRASH_AT="write-error@8:1"), capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert (f"[checkpoint] rank {rank}: error: checkpoint step 8 at {tmp_path}/checkpoints/step-00000008 was not "
+                f"committed: background save failed: rank 1: OSError: [Errno 28] No space left on device") in out
+    assert "error: checkpoint step 8" in proc.stderr  # the trainer's own last word
+    assert not (tmp_path / "checkpoints" / "step-00000008" / COMMIT).exists()
+    assert (tmp_path / "checkpoints" / "step-00000004" / COMMIT).exists()
+    steps = read_metrics(tmp_path)
+    assert 8 in steps and max(steps) < 12, sorted(steps)
+
+
+def test_s3_run_killed_during_save_resumes_from_s3(two_rank_reference, s3_bucket, tmp_path):
+    """checkpoint.dir on the loopback S3 server: rank 0 is SIGKILLed after every shard of step 8 is
+    uploaded but before COMMIT.json; the restarted 2-rank run resumes from step 4 on S3 and reproduces
+    the uninterrupted run's losses exactly; retention (keep=2) then leaves exactly steps 8 and 12."""
+    import s3fs
+
+    root = f"{s3_bucket}/run/ckpt"
+    steps = [*STEPS, f"checkpoint.dir={root}", "checkpoint.keep=2"]
+    crashed = subprocess.run(trainer_cmd(2, SMOKE, [f"run.dir={tmp_path}", "log.progress=false", *steps]), cwd=REPO,
+                             env=child_env(REKINDLE_CRASH_AT="commit@8:0"), capture_output=True, text=True,
+                             timeout=180)
+    assert crashed.returncode != 0 and "Signal 9 (SIGKILL)" in crashed.stderr + crashed.stdout
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    assert fs.exists(f"{root}/step-00000008/__1_0.distcp") and not fs.exists(f"{root}/step-00000008/{COMMIT}")
+    resumed = run_trainer(tmp_path, steps, nproc=2)
+    assert f"resumed from step 4 ({root}/step-00000004, saved by 2 rank(s))" in resumed.stdout
+    ref, after = read_metrics(two_rank_reference), read_metrics(tmp_path)
+    assert [after[s]["loss"] for s in range(1, 13)] == [ref[s]["loss"] for s in range(1, 13)]
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root)) == ["step-00000008", "step-00000012"]
+    assert Checkpointer(root, SOLO).discover_latest() == 12
+
+
+def test_reshard_gives_equal_parameters(tmp_path):
+    """2 ranks (FSDP2) save; 1 process loads (2->1); that process saves; 2 ranks load it (1->2). Every
+    parameter and AdamW moment equals the 2-rank original bit for bit (the worker asserts it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", str(Path(__file__)), "reshard-worker",
+         str(tmp_path)],
+        cwd=REPO, env=child_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("2->1 equal") == 1 and proc.stdout.count("1->2 equal") == 2, proc.stdout
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer tensor, unsharded, by parameter name."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()  # noqa: E731
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"param {n}": full(p) for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        out.update({f"{key} {names[id(p)]}": full(v) for key, v in st.items()})
+    return out
+
+
+def reshard_worker(root: Path) -> None:
+    from trainer.config import DistConfig
+    from trainer.parallel import init_distributed, parallelize
+
+    info = init_distributed(DistConfig())
+    model, opt = trained(0)  # identical on both ranks; then sharded and trained a little more
+    model = parallelize(model, DistConfig(), info)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 64, (2, 17))
+        torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    Checkpointer(str(root / "two"), info).save(TrainState(step=1), model, opt)
+    want = full_state(model, opt)
+    assert len(want) == 4 * len(list(model.parameters())) and want["step layers.0.attention.wq.weight"] == 2
+    if info.rank == 0:  # 2 -> 1: a plain process (no process group needed by the checkpointer)
+        single, single_opt = trained(5)
+        Checkpointer(str(root / "two"), SOLO).load(1, single, single_opt)
+        got = full_state(single, single_opt)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), "2->1 differs"
+        print("2->1 equal", flush=True)
+        Checkpointer(str(root / "one"), SOLO).save(TrainState(step=1), single, single_opt)
+    torch.distributed.barrier()
+    fresh, _ = trained(7)  # 1 -> 2: different weights until loaded
+    fresh = parallelize(fresh, DistConfig(), info)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    Checkpointer(str(root / "one"), info).load(1, fresh, fresh_opt)
+    got = full_state(fresh, fresh_opt)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), "1->2 differs"
+    print(f"1->2 equal on rank {info.rank}", flush=True)
+    torch.distributed.destroy_process_group()
 
 
 def test_save_failure_is_loud(tmp_path):
@@ -197,3 +384,7 @@ def test_save_failure_is_loud(tmp_path):
     (tmp_path / "file-not-dir").write_text("in the way")
     with pytest.raises(CheckpointError, match="not committed"):
         ckpt.save(TrainState(step=1), *trained(0))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["reshard-worker"]:
+    reshard_worker(Path(sys.argv[2]))

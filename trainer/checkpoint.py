@@ -3,24 +3,37 @@ collective save with an atomic commit, verification with fallback, retention, as
 
 Layout of one checkpoint:
   <dir>/step-00000120/   __<rank>_0.distcp + .metadata   model and optimizer (DCP), resharded on load
-                         train_state.json                step, tokens, data state, RNG per rank, world, config hash
-                         COMMIT.json                     written last by rank 0: every file with size + sha256
-Protocol: every rank writes its shards and checksums them; success is agreed collectively; only
-then rank 0 writes train_state.json and COMMIT.json. A step without a valid COMMIT.json is never
-loaded. On resume every rank verifies its share of the files of the newest committed step; any
-missing, truncated or corrupt file names itself in a warning and the previous commit is tried.
-Steps are deleted only after a newer one is committed.
+                         train_state.json                step, tokens, data state, RNG per rank, world, config
+                                                         hash, tied parameter names
+                         COMMIT.json                     written last by rank 0: every file with size + checksum
+                                                         (xxh3-128), and a sha256 of COMMIT.json's own content
+Protocol: every rank writes its shards, hashing them as they are written; success is agreed
+collectively; only then rank 0 writes train_state.json and COMMIT.json. A step without a valid
+COMMIT.json is never loaded. On resume every rank verifies its share of the files of the newest
+committed step; any missing, truncated or corrupt file names itself in a warning and the previous
+commit is tried. Steps are deleted only after a newer one is committed.
+
+Async saves (`async_=True, blocking=False`) return after a few milliseconds: a background thread
+copies the state into a reused CPU buffer, then writes it. Until the copy is done the tensors must
+not change, so the Checkpointer hooks `optimizer.step()` (the only thing in a training step that
+changes them) to wait for it; forward and backward overlap with the copy.
+
+Fault injection for tests, `REKINDLE_CRASH_AT="<point>@<step>[:rank]"`: `shards` SIGKILLs the rank
+in the middle of writing its shard file, `commit` SIGKILLs rank 0 after every shard is written but
+before COMMIT.json, `write-error` makes the shard write fail with ENOSPC (disk full).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import errno
+import hashlib
 import json
 import os
-import pickle
 import re
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -32,22 +45,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException as CheckpointException_
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import ckpt_storage as storage
+from trainer.ckpt_storage import CheckpointError
 from trainer.parallel import DistInfo
+
+__all__ = ["COMMIT", "TRAIN_STATE", "CheckpointError", "Checkpointer", "TrainState", "step_dir", "verify"]
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 COMMIT = "COMMIT.json"
 TRAIN_STATE = "train_state.json"
 # DCP's CheckpointException derives from BaseException, not Exception.
 _SAVE_ERRORS = (Exception, CheckpointException_)
-CRASH_ENV = "REKINDLE_CRASH_AT"  # fault injection for tests: "<point>@<step>[:rank]", the process SIGKILLs itself
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or used."""
+CRASH_ENV = "REKINDLE_CRASH_AT"
+_FAULT_AFTER_BYTES = 4096  # `shards` / `write-error` fire once this much of the shard file is written
 
 
 @dataclass
@@ -58,20 +72,40 @@ class TrainState:
     world: int = 1
     config_sha256: str = ""
     rng: list[str] = field(default_factory=list)  # torch CPU RNG state per rank, base64
+    tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it shares its tensor with
 
 
 def step_dir(root: str, step: int) -> str:
     return f"{root.rstrip('/')}/step-{step:08d}"
 
 
-def _crash_point(point: str, step: int, rank: int) -> None:
+def _injected(point: str, step: int, rank: int) -> bool:
     spec = os.environ.get(CRASH_ENV, "")
     if not spec:
-        return
+        return False
     where, _, at = spec.partition("@")
     at_step, _, at_rank = at.partition(":")
-    if where == point and int(at_step) == step and (not at_rank or int(at_rank) == rank):
+    return where == point and int(at_step) == step and (not at_rank or int(at_rank) == rank)
+
+
+def _crash_point(point: str, step: int, rank: int) -> None:
+    if _injected(point, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_fault(step: int, rank: int) -> storage.Fault | None:
+    """The injected fault (if any) for this rank's shard write of `step`."""
+    if _injected("shards", step, rank):
+        def fault(written: int) -> None:
+            if written >= _FAULT_AFTER_BYTES:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return fault
+    if _injected("write-error", step, rank):
+        def fault(written: int) -> None:
+            if written >= _FAULT_AFTER_BYTES:
+                raise OSError(errno.ENOSPC, f"No space left on device (injected by {CRASH_ENV})")
+        return fault
+    return None
 
 
 @contextlib.contextmanager
@@ -82,26 +116,99 @@ def _quiet_single_process():
         yield
 
 
+def _describe(e: BaseException, rank: int) -> str:
+    """One line for an error on `rank`. DCP's CheckpointException carries (exception, traceback) of the
+    ranks that failed, and reaches every rank: name those ranks, not the one reporting it."""
+    if isinstance(e, CheckpointException_) and e.failures:
+        return "; ".join(_describe(f[0] if isinstance(f, tuple) else f, r) for r, f in sorted(e.failures.items()))
+    return f"rank {rank}: {type(e).__name__}: {e}"
+
+
 def _rng_state() -> str:
     return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
 
 
-def _own_files(path: str, rank: int) -> dict[str, dict]:
-    """Size and sha256 of the shard files this rank wrote."""
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Parameters registered under several names (tied embeddings): {other name: first name}, with the
+    names `get_state_dict` uses (no activation-checkpoint or compile wrappers)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
+def _commit_digest(commit: dict) -> str:
+    body = {k: v for k, v in commit.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_commit(path: str) -> dict:
+    """COMMIT.json of the step at `path`, checked against its own checksum. Raises FileNotFoundError or
+    ValueError (with the reason) if it is missing, unreadable or altered."""
     fs, p = storage.filesystem(path)
-    out = {}
-    for entry in fs.ls(p, detail=True):
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith(f"__{rank}_") and name.endswith(".distcp"):
-            out[name] = {"size": int(entry["size"]), "sha256": storage.sha256_file(fs, entry["name"])}
-    return out
+    commit = json.loads(fs.cat_file(f"{p}/{COMMIT}"))
+    if not isinstance(commit, dict) or not isinstance(commit.get("files"), dict):
+        raise ValueError("not a commit record")
+    if commit.get("sha256") != _commit_digest(commit):
+        raise ValueError("its content does not match its checksum")
+    return commit
+
+
+def verify(path: str, rank: int = 0, world: int = 1) -> str:
+    """Check share `rank` of `world` of the files committed at `path` (sizes, checksums; rank 0 also
+    parses `.metadata` safely). Returns a description of the first problem, or '' if none."""
+    fs, p = storage.filesystem(path)
+    try:
+        files = sorted(read_commit(path)["files"].items())
+    except FileNotFoundError:
+        return f"{path}/{COMMIT} is missing"
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        return f"{path}/{COMMIT} is unreadable or corrupt ({type(e).__name__}: {e})"
+    for i, (name, want) in enumerate(files):
+        if i % world != rank:
+            continue
+        full = f"{p}/{name}"
+        if not fs.exists(full):
+            return f"{path}/{name} is missing"
+        size = int(fs.size(full))
+        if size != want["size"]:
+            return f"{path}/{name} is {size} bytes, committed with {want['size']} (truncated?)"
+        algorithm = next((a for a in storage.CHECKSUMS if a in want), None)
+        if algorithm is None:
+            return f"{path}/{COMMIT} has no checksum for {name}"
+        if storage.checksum_file(fs, full, algorithm) != want[algorithm]:
+            return f"{path}/{name} fails its checksum (corrupt)"
+    if rank == 0:
+        try:
+            storage.load_metadata(fs.cat_file(f"{p}/.metadata"))
+        except Exception as e:  # noqa: BLE001 - any failure to parse means unusable
+            return f"{path}/.metadata is unusable: {type(e).__name__}: {e}"
+    return ""
+
+
+def load_state(sd: dict, path: str, no_dist: bool = True) -> None:
+    """DCP-load the checkpoint at `path` into the tensors of `sd` (resharding as needed), unpickling
+    nothing but plain data. A refused item raises UnsafeCheckpointError, other failures CheckpointError."""
+    try:
+        with _quiet_single_process():
+            dcp.load(sd, storage_reader=storage.reader(path), planner=storage.SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException_ as e:
+        for cause in (f[0] if isinstance(f, tuple) else f for f in e.failures.values()):
+            if isinstance(cause, storage.UnsafeCheckpointError):
+                raise storage.UnsafeCheckpointError(str(cause)) from None
+        raise CheckpointError(f"loading {path} failed: {_describe(e, 0)}") from None
 
 
 @dataclass
 class _PendingSave:
     state: TrainState
     path: str
-    future: Future  # resolves to this rank's {file: {size, sha256}} once its shards are written
+    future: Future  # resolves to this rank's {file: {size, checksum}} once its shards are written
     started: float
 
 
@@ -113,43 +220,85 @@ class Checkpointer:
         self.root, self.info, self.keep, self.keep_every, self.async_ = root, info, keep, keep_every, async_
         self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
         self._pending: _PendingSave | None = None
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_ else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt") if async_ else None
         # Async saves run their collectives in a background thread: give them their own group, or
         # gloo aborts on mismatched collectives with the training thread.
         self._group = dist.new_group(backend="gloo") if async_ and info.world > 1 else None
-        self.last_blocking_s = 0.0
+        self._buffer: dict | None = None  # CPU copy of the state for async saves, reused
+        self._staged = threading.Event()
+        self._staged.set()
+        self._hooks: dict[int, Any] = {}
+        self.last_blocking_s = 0.0  # time the last save() held the caller, plus any wait for its copy
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, model: nn.Module, optimizer, blocking: bool = True) -> str:
-        """Write step `state.step`. Blocking: returns once committed. Async: returns after staging."""
+        """Write step `state.step`. Blocking: returns once committed. Async: returns once the copy of
+        the state has started; `optimizer.step()` waits for the copy to finish."""
         start = time.perf_counter()
         self.wait()  # at most one save in flight
         path = step_dir(self.root, state.step)
-        state = TrainState(**{**asdict(state), "rng": self._gather(_rng_state())})
+        state = TrainState(**{**asdict(state), "rng": self._gather(_rng_state()), "tied": tied_parameters(model)})
         if self.info.is_main:
             self._clear_uncommitted(path)
         self._barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
-        _crash_point("shards", state.step, self.info.rank)
+        fault = _write_fault(state.step, self.info.rank)
         if self.async_ and not blocking:
-            with _quiet_single_process():
-                write = dcp.async_save(sd, storage_writer=storage.writer(path), process_group=self._group,
-                                       no_dist=self.info.world == 1)
-            future = self._hasher.submit(lambda: (write.result(), _own_files(path, self.info.rank))[1])
+            self._hook(optimizer)
+            self._staged = threading.Event()
+            future = self._writer.submit(self._stage_and_write, sd, path, fault, self._staged)
             self._pending = _PendingSave(state, path, future, start)
             self.last_blocking_s = time.perf_counter() - start
             return path
         error = ""
         try:
-            with _quiet_single_process():
-                dcp.save(sd, storage_writer=storage.writer(path), no_dist=self.info.world == 1)
-            files = _own_files(path, self.info.rank)
+            files = self._write(sd, path, fault, None)
         except _SAVE_ERRORS as e:  # reported collectively below, then raised on every rank
-            error, files = f"rank {self.info.rank}: {type(e).__name__}: {e}", {}
+            error, files = _describe(e, self.info.rank), {}
         self._commit(state, path, files, error)
         self.last_blocking_s = time.perf_counter() - start
         return path
+
+    def _write(self, sd: dict, path: str, fault: storage.Fault | None, group) -> dict[str, dict]:
+        """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
+        writer = storage.writer(path, fault)
+        with _quiet_single_process():
+            dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
+        fs, p = storage.filesystem(path)
+        for name, info in writer.digests.items():  # a stat, not a re-read: catches short writes
+            if int(fs.size(f"{p}/{name}")) != info["size"]:
+                raise OSError(f"{path}/{name} is {fs.size(f'{p}/{name}')} bytes after writing {info['size']}")
+        return dict(writer.digests)
+
+    def _stage_and_write(self, sd: dict, path: str, fault: storage.Fault | None, staged: threading.Event) -> dict:
+        """Background thread: copy the live tensors into the CPU buffer, release the optimizer, write."""
+        try:
+            copy = self._stage(sd)
+        finally:
+            staged.set()  # on failure too: the error is raised on every rank by poll()
+        return self._write(copy, path, fault, self._group)
+
+    @torch.no_grad()
+    def _stage(self, sd: dict) -> dict:
+        if self._buffer is not None:
+            try:
+                return _copy_state_dict(sd, self._buffer)
+            except (ValueError, RuntimeError, KeyError):  # the state's structure changed: new buffer
+                self._buffer = None
+        self._buffer = _create_cpu_state_dict(sd, pin_memory=self.info.device.type == "cuda")
+        return _copy_state_dict(sd, self._buffer)
+
+    def _hook(self, optimizer) -> None:
+        if id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def wait_staged(self) -> None:
+        """Block until the background copy of an async save is done (then the tensors may change)."""
+        if not self._staged.is_set():
+            start = time.perf_counter()
+            self._staged.wait()
+            self.last_blocking_s += time.perf_counter() - start
 
     def poll(self) -> None:
         """Once per training step: finish a background save when every rank's write is done.
@@ -167,7 +316,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until a background save (if any) is committed or has failed (collective)."""
         if self._pending is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*_SAVE_ERRORS):
                 self._pending.future.result()
             self._finish_pending()
 
@@ -176,13 +325,13 @@ class Checkpointer:
         try:
             files, error = pending.future.result(), ""
         except _SAVE_ERRORS as e:
-            files, error = {}, f"rank {self.info.rank}: background save failed: {type(e).__name__}: {e}"
+            files, error = {}, f"background save failed: {_describe(e, self.info.rank)}"
         self._commit(pending.state, pending.path, files, error)
 
     def _commit(self, state: TrainState, path: str, files: dict, error: str) -> None:
         """Collective: agree that every rank wrote its shards, then rank 0 commits."""
         results = self._gather((error, files))
-        errors = [e for e, _ in results if e]
+        errors = list(dict.fromkeys(e for e, _ in results if e))  # a DCP error reaches every rank: say it once
         if not errors and self.info.is_main:
             _crash_point("commit", state.step, self.info.rank)
             try:
@@ -194,15 +343,19 @@ class Checkpointer:
             self.on_commit(state.step)
         errors = self._broadcast(errors)
         if errors:
-            raise CheckpointError(f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors))
+            message = f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors)
+            print(f"[checkpoint] rank {self.info.rank}: error: {message}", flush=True)
+            raise CheckpointError(message)
 
     def _write_commit(self, state: TrainState, path: str, files: dict) -> None:
         fs, p = storage.filesystem(path)
         with fs.open(f"{p}/{TRAIN_STATE}", "w") as f:
             json.dump(asdict(state), f, indent=1)
         for name in (".metadata", TRAIN_STATE):
-            files[name] = {"size": int(fs.size(f"{p}/{name}")), "sha256": storage.sha256_file(fs, f"{p}/{name}")}
+            full = f"{p}/{name}"
+            files[name] = {"size": int(fs.size(full)), storage.CHECKSUM: storage.checksum_file(fs, full)}
         commit = {"step": state.step, "time": time.time(), "world": self.info.world, "files": files}
+        commit["sha256"] = _commit_digest(commit)
         with fs.open(f"{p}/{COMMIT}", "w") as f:  # last: the step exists from here on
             json.dump(commit, f, indent=1)
 
@@ -219,31 +372,7 @@ class Checkpointer:
         return sorted(steps)
 
     def _verify_share(self, step: int) -> str:
-        """Check this rank's share of the committed files; returns a problem description or ''."""
-        path = step_dir(self.root, step)
-        fs, p = storage.filesystem(path)
-        try:
-            commit = json.loads(fs.cat_file(f"{p}/{COMMIT}"))
-            files = sorted(commit["files"].items())
-        except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
-            return f"{path}/{COMMIT} is unreadable or corrupt ({type(e).__name__})"
-        for i, (name, want) in enumerate(files):
-            if i % self.info.world != self.info.rank:
-                continue
-            full = f"{p}/{name}"
-            if not fs.exists(full):
-                return f"{path}/{name} is missing"
-            size = int(fs.size(full))
-            if size != want["size"]:
-                return f"{path}/{name} is {size} bytes, committed with {want['size']} (truncated?)"
-            if storage.sha256_file(fs, full) != want["sha256"]:
-                return f"{path}/{name} fails its checksum (corrupt)"
-        if self.info.is_main:
-            try:
-                storage.load_metadata(fs.cat_file(f"{p}/.metadata"))
-            except (storage.UnsafeCheckpointError, FileNotFoundError, pickle.UnpicklingError, EOFError) as e:
-                return f"{path}/.metadata is unusable: {e}"
-        return ""
+        return verify(step_dir(self.root, step), self.info.rank, self.info.world)
 
     def discover_latest(self) -> int | None:
         """Newest committed step that verifies on every rank; the same answer on every rank."""
@@ -263,8 +392,7 @@ class Checkpointer:
         storage.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads anything
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
-        with _quiet_single_process():
-            dcp.load(sd, storage_reader=storage.reader(path), no_dist=self.info.world == 1)
+        load_state(sd, path, self.info.world == 1)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         state = TrainState(**json.loads(fs.cat_file(f"{p}/{TRAIN_STATE}")))
         if state.world == self.info.world and len(state.rng) == self.info.world:
@@ -315,5 +443,9 @@ class Checkpointer:
             dist.barrier()
 
     def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self._buffer = None
