@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import numpy as np
 from tqdm import tqdm
 
 from data import tokenizer as tokenizers_
@@ -131,41 +133,70 @@ def file_lineage(url: str) -> dict[str, Any]:
     return {"url": url, "bytes": size, "sha256": h.hexdigest()}
 
 
-# --- parallel tokenization: one tokenizer per worker process, results consumed in submission order
+# --- parallel tokenization: P single-threaded tokenizers (P processes, or this one when P = 1); chunks
+# of about CHUNK_CHARS characters (not a number of documents, which may be few and very unequal) keep
+# the processes evenly loaded; a chunk comes back as two numpy arrays, which pickle as one memory copy.
 
-_worker_tok = None
-
-
-def _init_worker(tokenizer_json: str) -> None:
-    global _worker_tok  # per-process worker state, set once by the pool initializer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # P processes x 1 thread, not P x all cores
-    _worker_tok = tokenizers_.from_bytes(tokenizer_json.encode())
+CHUNK_CHARS = 1 << 18
 
 
-def _encode_chunk(docs: list[str]) -> list[list[int]]:
-    return [e.ids for e in _worker_tok.encode_batch(docs, add_special_tokens=False)]
+class ChunkEncoder:
+    """Encodes a list of documents in this thread only: (tokens with EOS after each document, lengths)."""
+
+    def __init__(self, tokenizer_json: str, dtype: str) -> None:
+        self.tok = tokenizers_.from_bytes(tokenizer_json.encode())
+        self.eos, self.dtype = tokenizers_.eos_id(self.tok), np.dtype(dtype)
+
+    def __call__(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        # encode() of one text never uses the Rust thread pool (encode_batch would, unless told not to)
+        ids = [self.tok.encode(doc, add_special_tokens=False).ids for doc in docs]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=int(lengths.sum()))
+        return np.insert(flat, np.cumsum(lengths), self.eos), lengths + 1
 
 
-def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
+_worker_encoder: ChunkEncoder | None = None
+
+
+def _init_worker(tokenizer_json: str, dtype: str) -> None:
+    global _worker_encoder  # per-process worker state, set once by the pool initializer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, whatever the tokenizer is asked
+    _worker_encoder = ChunkEncoder(tokenizer_json, dtype)
+
+
+def _encode_chunk(docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _worker_encoder(docs)
+
+
+def chunks(docs: Iterable[str], chars: int = CHUNK_CHARS) -> Iterator[list[str]]:
+    """Group documents into lists of at least `chars` characters (the last may be smaller)."""
     chunk: list[str] = []
+    size = 0
     for doc in docs:
         chunk.append(doc)
-        if len(chunk) == size:
+        size += len(doc)
+        if size >= chars:
             yield chunk
-            chunk = []
+            chunk, size = [], 0
     if chunk:
         yield chunk
 
 
-def encode_parallel(tok, docs: Iterable[str], workers: int, chunk_docs: int = 256) -> Iterator[list[list[int]]]:
-    """Encode documents in `workers` processes, yielding batches in input order (bounded read-ahead)."""
-    if workers <= 1:
-        yield from tokenizers_.encode_batches(tok, docs, chunk_docs)
+def encode_parallel(tok, docs: Iterable[str], workers: int, dtype: str,
+                    chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encode documents with `workers` single-threaded tokenizers, yielding (tokens, lengths) per chunk in
+    input order; tokens hold each document followed by EOS. Read-ahead is bounded (4 chunks per worker)."""
+    todo = chunks(docs, chunk_chars)
+    head = list(itertools.islice(todo, 2))
+    todo = itertools.chain(head, todo)
+    if workers <= 1 or len(head) < 2:  # one chunk: starting processes would cost more than it saves
+        yield from map(ChunkEncoder(tok.to_str(), dtype), todo)
         return
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads (s3fs, tqdm, rayon)
-    with ctx.Pool(workers, _init_worker, (tok.to_str(),)) as pool:
+    # spawn, not fork: the caller may hold threads (s3fs, tqdm, the tokenizer's own pool)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, _init_worker, (tok.to_str(), dtype)) as pool:
         pending: deque = deque()
-        for chunk in _chunks(docs, chunk_docs):
+        for chunk in todo:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
             if len(pending) >= 4 * workers:
                 yield pending.popleft().get(timeout=600)
@@ -183,8 +214,10 @@ def prepare(
     workers: int = 1,
     stats: dict[str, Any] | None = None,
     bad: BadInput | None = None,
+    chunk_chars: int = CHUNK_CHARS,
 ) -> Manifest:
-    """Tokenize `docs` with `tok` (in `workers` processes) and write shards + manifest to `output`.
+    """Tokenize `docs` with `tok` and write shards + manifest to `output`; `workers` single-threaded
+    tokenizer processes (1 = this process only). The output is byte-identical for any `workers`.
 
     `stats` (e.g. lineage) is merged into the manifest's stats; so is what `bad` skipped while `docs` was read."""
     writer = ShardWriter(output, tok.get_vocab_size(), tokenizers_.eos_id(tok), shard_tokens)
@@ -202,10 +235,9 @@ def prepare(
             yield doc
 
     bar = tqdm(total=total_docs, unit="doc", desc="tokenize", disable=not progress, file=sys.stderr)
-    for batch in encode_parallel(tok, unique(docs), workers):
-        for ids in batch:
-            writer.add(ids)
-        bar.update(len(batch))
+    for tokens, lengths in encode_parallel(tok, unique(docs), workers, writer.dtype.name, chunk_chars):
+        writer.add_encoded(tokens, lengths)
+        bar.update(len(lengths))
     bar.close()
     if not seen:
         raise InputError(f"the input is empty: no documents to write to {output}")
@@ -233,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--tokenizer", help="an existing tokenizer.json")
     group.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the input")
     ap.add_argument("--shard-tokens", type=int, default=1 << 24)
-    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes (the output is the same for any)")
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="tokenizer processes, one thread each (default: the CPUs available; the output is the "
+                         "same for any)")
     ap.add_argument("--skip-bad", action="store_true", help="skip and count bad files/lines instead of failing")
     ap.add_argument("--force", action="store_true", help="rebuild even if the output's lineage matches")
     ap.add_argument("--no-progress", action="store_true")

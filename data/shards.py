@@ -115,13 +115,23 @@ class ShardWriter:
         self._counts = np.zeros(vocab_size, dtype=np.int64)
 
     def add(self, ids: list[int]) -> None:
+        """One document's token ids (EOS is appended here)."""
         doc = np.empty(len(ids) + 1, dtype=self.dtype)
         doc[:-1] = ids
         doc[-1] = self.eos_id
-        self._pending.append(doc)
-        self._pending_tokens += len(doc)
-        if self._pending_tokens >= self.shard_tokens:
-            self._flush()
+        self.add_encoded(doc, np.array([len(doc)]))
+
+    def add_encoded(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Several documents at once: `tokens` is each document followed by EOS, `lengths` their sizes
+        with the EOS. Shards are cut exactly where adding the documents one by one would cut them."""
+        tokens = tokens.astype(self.dtype, copy=False)
+        start = 0
+        for n in lengths.tolist():
+            self._pending.append(tokens[start : start + n])
+            self._pending_tokens += n
+            start += n
+            if self._pending_tokens >= self.shard_tokens:
+                self._flush()
 
     def _flush(self) -> None:
         if not self._pending:

@@ -9,6 +9,8 @@ The order is block-shuffled so that reads stay local: a training sample belongs 
 shard its first token lies in; epoch e permutes the blocks, cuts the permuted list into windows of
 `shuffle_window` blocks, and fully shuffles the samples inside each window. At any moment only the
 shards of one window (about 2 x shuffle_window) are being read, which a small shard cache holds.
+Only the window being read is ever materialised (its shuffle seeded by (seed, epoch, window)), so
+the cost of starting or resuming at any point is that of one window, not of the epoch or the offset.
 
 Global batch b is stream positions [b*B, (b+1)*B); rank r of W takes the contiguous slice
 [r*B/W, (r+1)*B/W) of it. The whole state is one integer, samples consumed, so any world size with the
@@ -17,6 +19,7 @@ same global batch resumes the same global batches. data.loader adds worker proce
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +27,7 @@ import torch
 
 from data.shards import ShardSet
 
-ORDER = "block-window-v1"  # name of the sample order scheme, recorded in the data state
+ORDER = "block-window-v2"  # name of the sample order scheme, recorded in the data state
 
 
 class DataStateError(ValueError):
@@ -99,8 +102,11 @@ class TokenStream:
             )
         self.state = StreamState()
         self.shuffle_window = shuffle_window
-        self._block_of = shards.shard_of(np.arange(self.n_train, dtype=np.int64) * seq_len).astype(np.int32)
-        self._orders: dict[int, np.ndarray] = {}  # the last two epochs' orders (a batch may straddle them)
+        # Block b (shard b) holds the training samples [first[b], first[b+1]): those whose first token
+        # i * seq_len lies in shard b, i.e. i >= ceil(start of shard b / seq_len).
+        self._block_first = np.minimum(-(-shards.starts // seq_len), self.n_train)
+        self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # epoch -> (blocks, window starts)
+        self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()  # a few recent windows
 
     @property
     def local_batch(self) -> int:
@@ -110,17 +116,40 @@ class TokenStream:
     def epoch(self) -> int:
         return self.state.samples_consumed // self.n_train
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        """The training sample ids in epoch `epoch`'s order: a pure function of (seed, epoch)."""
-        order = self._orders.get(epoch)
+    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks in epoch order, first stream offset of each window plus the end): O(number of shards)."""
+        layout = self._layouts.get(epoch)
+        if layout is None:
+            blocks = np.random.default_rng([self.seed, epoch]).permutation(len(self._block_first) - 1)
+            sizes = np.diff(self._block_first)[blocks]
+            window_sizes = np.add.reduceat(sizes, np.arange(0, len(blocks), self.shuffle_window))
+            layout = blocks, np.concatenate([[0], np.cumsum(window_sizes)])
+            self._layouts = {e: v for e, v in self._layouts.items() if abs(e - epoch) == 1}  # a batch may straddle
+            self._layouts[epoch] = layout
+        return layout
+
+    def _window(self, epoch: int, window: int) -> np.ndarray:
+        """Sample ids of one window in their shuffled order: a pure function of (seed, epoch, window)."""
+        order = self._windows.get((epoch, window))
         if order is None:
-            rng = np.random.default_rng([self.seed, epoch])
-            block_rank = rng.permutation(len(self.shards.manifest.shards))  # position of each block in the epoch
-            window = block_rank[self._block_of] // self.shuffle_window
-            order = np.lexsort((rng.random(self.n_train), window))  # by window, randomly inside a window
-            self._orders = {e: o for e, o in self._orders.items() if abs(e - epoch) == 1}
-            self._orders[epoch] = order
+            blocks, _ = self._layout(epoch)
+            mine = np.sort(blocks[window * self.shuffle_window : (window + 1) * self.shuffle_window])
+            ids = np.concatenate([np.arange(self._block_first[b], self._block_first[b + 1]) for b in mine])
+            order = ids[np.random.default_rng([self.seed, epoch, window]).permutation(len(ids))]
+            self._windows[(epoch, window)] = order
+            while len(self._windows) > 4:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end((epoch, window))
         return order
+
+    def window_starts(self, epoch: int) -> np.ndarray:
+        """Offsets inside epoch `epoch` where each window of shards begins (ascending; the first is 0)."""
+        return self._layout(epoch)[1][:-1]
+
+    def block_of(self, sample_ids: np.ndarray) -> np.ndarray:
+        """The block (shard) each training sample belongs to: the shard of its first token."""
+        return np.asarray(self.shards.shard_of(np.asarray(sample_ids, dtype=np.int64) * self.seq_len))
 
     def _samples(self, indices: np.ndarray) -> torch.Tensor:
         rows = [self.shards.read(int(i) * self.seq_len, self.seq_len + 1) for i in indices]
@@ -128,11 +157,16 @@ class TokenStream:
 
     def sample_indices(self, position: int, count: int) -> np.ndarray:
         """Sample ids at positions [position, position + count) of the infinite training stream."""
-        positions = np.arange(position, position + count)
+        positions = np.arange(position, position + count, dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.n_train)
         indices = np.empty_like(positions)
-        for epoch in np.unique(positions // self.n_train):
-            mask = positions // self.n_train == epoch
-            indices[mask] = self._epoch_order(int(epoch))[positions[mask] % self.n_train]
+        for epoch in np.unique(epochs):
+            in_epoch = np.flatnonzero(epochs == epoch)
+            starts = self._layout(int(epoch))[1]
+            windows = np.searchsorted(starts, offsets[in_epoch], side="right") - 1
+            for window in np.unique(windows):
+                at = in_epoch[windows == window]
+                indices[at] = self._window(int(epoch), int(window))[offsets[at] - starts[window]]
         return indices
 
     def next_batch(self) -> torch.Tensor:

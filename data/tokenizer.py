@@ -6,7 +6,7 @@ the vocabulary is learned from the corpus on this machine."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -52,14 +52,3 @@ def eos_id(tok: Tokenizer) -> int:
         raise ValueError(f"tokenizer has no {EOS} token")
     return token_id
 
-
-def encode_batches(tok: Tokenizer, docs: Iterable[str], batch_docs: int = 256) -> Iterator[list[list[int]]]:
-    """Encode documents in batches (the Rust core spreads each batch over all cores)."""
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == batch_docs:
-            yield [e.ids for e in tok.encode_batch(batch, add_special_tokens=False)]
-            batch = []
-    if batch:
-        yield [e.ids for e in tok.encode_batch(batch, add_special_tokens=False)]

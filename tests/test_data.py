@@ -55,6 +55,10 @@ def test_reads_across_shard_boundaries(dataset):
         assert np.array_equal(dataset.read(start, 50), whole[start : start + 50])
 
 
+def epoch_order(s: TokenStream, epoch: int) -> np.ndarray:
+    return s.sample_indices(epoch * s.n_train, s.n_train)
+
+
 def stream(dataset, rank=0, world=1, seed=5, batch=8, seq=16):
     return TokenStream(dataset, seq_len=seq, global_batch=batch, seed=seed, rank=rank, world=world, val_fraction=0.05)
 
@@ -76,7 +80,7 @@ def test_every_training_sample_once_per_epoch_and_val_held_out(dataset):
         ids = s.sample_indices(epoch * s.n_train, s.n_train)
         assert sorted(ids.tolist()) == list(range(s.n_train))
     # batches straddling the epoch boundary continue into the next epoch's order
-    assert s.sample_indices(s.n_train - 2, 4).tolist() == [*s._epoch_order(0)[-2:], *s._epoch_order(1)[:2]]
+    assert s.sample_indices(s.n_train - 2, 4).tolist() == [*epoch_order(s, 0)[-2:], *epoch_order(s, 1)[:2]]
     first = s.next_batch()
     assert np.array_equal(first.numpy(), np.stack([dataset.read(i * 16, 17) for i in s.sample_indices(0, 4)]))
     val_start = s.n_train * 16
@@ -85,9 +89,21 @@ def test_every_training_sample_once_per_epoch_and_val_held_out(dataset):
 
 def test_epochs_reshuffle_deterministically(dataset):
     a, b = stream(dataset), stream(dataset)
-    assert a._epoch_order(0).tolist() == b._epoch_order(0).tolist()
-    assert a._epoch_order(0).tolist() != a._epoch_order(1).tolist()
-    assert stream(dataset, seed=6)._epoch_order(0).tolist() != a._epoch_order(0).tolist()
+    assert epoch_order(a, 0).tolist() == epoch_order(b, 0).tolist()
+    assert epoch_order(a, 0).tolist() != epoch_order(a, 1).tolist()
+    assert epoch_order(stream(dataset, seed=6), 0).tolist() != epoch_order(a, 0).tolist()
+    # computed a few samples at a time (windows built and dropped as it goes), the order is the same
+    piecewise = np.concatenate([b.sample_indices(p, 7) for p in range(0, 2 * b.n_train, 7)])[: 2 * b.n_train]
+    assert piecewise.tolist() == [*epoch_order(a, 0), *epoch_order(a, 1)]
+
+
+def test_resuming_far_away_builds_only_the_windows_it_reads(dataset):
+    """Starting at any offset costs one window of the order, not the epoch or the samples before it."""
+    s = stream(dataset, batch=4)
+    s.load_state_dict({**s.state_dict(), "samples_consumed": 1000 * s.n_train + 4 * (s.n_train // 8)})
+    s.next_batch()
+    assert len(s._windows) <= 2 and set(s._layouts) <= {999, 1000, 1001}
+    assert all(len(w) <= s.n_train for w in s._windows.values())
 
 
 def test_resume_from_state_matches_uninterrupted(dataset):

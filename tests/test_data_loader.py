@@ -58,12 +58,23 @@ def test_resume_after_prefetch_neither_skips_nor_repeats(local_dataset):  # noqa
 
 
 def test_workers_read_s3_shards(local_dataset, s3_bucket):  # noqa: F811
+    """Remote shards: workers come from a fork server (not a fork of this process, whose s3fs client has an
+    event-loop thread and open connections), open their own S3 client and read the loopback bucket."""
     remote = ShardSet(upload(local_dataset, f"{s3_bucket}/ds"))
+    remote.read(0, 5000)  # this process's S3 client is live (loop thread, connection pool) when workers start
     ref = make(local_dataset)
-    expected = [ref.next_batch().numpy() for _ in range(6)]
-    with BatchLoader(make(remote), num_workers=2) as loader:
+    expected = [ref.next_batch().numpy() for _ in range(8)]
+    with BatchLoader(make(remote), num_workers=2, timeout_s=60) as loader:
+        assert loader.start_method == "forkserver"
         got = take(loader, 6)
+        state = loader.state_dict()
+    with BatchLoader(make(remote), num_workers=2, timeout_s=60) as resumed:  # and resumes from S3 too
+        resumed.load_state_dict(state)
+        got += take(resumed, 2)
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert BatchLoader(make(local_dataset), num_workers=2).start_method == "fork"  # local shards: plain fork
+    with pytest.raises(ValueError, match="start_method"):
+        BatchLoader(make(remote), num_workers=2, start_method="threads")
 
 
 def test_position_ids_reset_after_eos():
@@ -91,9 +102,13 @@ def test_stream_positions_and_loss_mask_follow_documents(local_dataset):  # noqa
             p = 0 if tok == eos else p + 1
             assert mask[t] == (tok != eos)
         assert pos == expect
+    ref = make(local_dataset, batch=8)
     with BatchLoader(make(local_dataset, batch=8), num_workers=2, with_positions=True) as loader:
-        first = next(loader)
-    assert torch.equal(first.positions, b.positions) and torch.equal(first.loss_mask, b.loss_mask)
+        assert loader.group > 1  # several batches per message from a worker: cross a few groups below
+        for _ in range(3 * loader.group):
+            got, want = next(loader), ref.next_batch_with_positions()
+            for name in ("tokens", "positions", "loss_mask"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_a_corrupt_shard_read_by_a_worker_is_named(local_dataset, tmp_path):  # noqa: F811
@@ -111,3 +126,45 @@ def test_a_corrupt_shard_read_by_a_worker_is_named(local_dataset, tmp_path):  # 
         for _ in range(400):  # the first epoch reads every shard
             next(loader)
     loader.close()
+
+
+def test_workers_die_with_a_killed_rank(local_dataset):  # noqa: F811
+    """A SIGKILLed rank never stops its workers; they must not outlive it (a worker blocked sending into
+    a pipe nobody reads would otherwise hang forever, holding memory and the job's stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    code = (
+        "import sys, time\n"
+        "from data.loader import BatchLoader\nfrom data.shards import ShardSet\nfrom data.stream import TokenStream\n"
+        f"s = TokenStream(ShardSet({local_dataset.root!r}), 16, 4, seed=5, val_fraction=0.05)\n"
+        "loader = BatchLoader(s, num_workers=2)\nnext(loader)\n"
+        "print(*[w.pid for w in loader._it._workers], flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 3  # torch's own parent check alone takes 5 s or never ends
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+        assert not alive, f"workers {alive} outlived their killed parent"
+    finally:
+        proc.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

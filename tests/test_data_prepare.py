@@ -27,10 +27,12 @@ def shard_bytes(root) -> dict[str, bytes]:
 
 def test_output_is_identical_for_any_number_of_processes(tmp_path, tok):
     docs = TEXTS * 3  # duplicates too
-    one = prepare(docs, str(tmp_path / "p1"), tok, shard_tokens=3000, progress=False, workers=1)
-    two = prepare(docs, str(tmp_path / "p2"), tok, shard_tokens=3000, progress=False, workers=2)
-    assert one.sha256() == two.sha256()
-    assert shard_bytes(tmp_path / "p1") == shard_bytes(tmp_path / "p2")
+    kw = dict(shard_tokens=3000, progress=False, chunk_chars=5000)  # many chunks: order across processes matters
+    one = prepare(docs, str(tmp_path / "p1"), tok, workers=1, **kw)
+    two = prepare(docs, str(tmp_path / "p2"), tok, workers=2, **kw)
+    three = prepare(docs, str(tmp_path / "p3"), tok, workers=3, shard_tokens=3000, progress=False)  # 1 chunk
+    assert one.sha256() == two.sha256() == three.sha256()
+    assert shard_bytes(tmp_path / "p1") == shard_bytes(tmp_path / "p2") == shard_bytes(tmp_path / "p3")
     assert two.stats["documents"] == len(TEXTS) and two.stats["duplicates_dropped"] == 2 * len(TEXTS)
 
 

@@ -1,11 +1,12 @@
-"""The model: causal, shapes right with grouped KV heads, tied embeddings, FLOP estimate."""
+"""The model: causal, shapes right with grouped KV heads, tied embeddings, FLOP estimate, RoPE at
+given (per-document) positions, and a loss mask that drops exactly the masked targets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainer.model import ModelArgs, Transformer
+from trainer.model import ModelArgs, Transformer, cross_entropy
 
 
 def tiny(**kw) -> Transformer:
@@ -67,3 +68,45 @@ def test_loss_decreases_when_overfitting_one_batch():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_explicit_positions_equal_the_plain_path_on_one_document():
+    model = tiny().eval()
+    tokens = torch.randint(1, 97, (3, 32))
+    plain_positions = torch.arange(32).expand(3, 32)
+    with torch.no_grad():
+        assert torch.allclose(model(tokens, plain_positions), model(tokens), atol=1e-6, rtol=0)
+
+
+def test_position_reset_after_eos_changes_only_later_logits():
+    """Restarting positions after an EOS (id 0 here) at index 12 changes the logits from index 13 on."""
+    model = tiny().eval()
+    tokens = torch.randint(1, 97, (2, 32))
+    tokens[:, 12] = 0
+    positions = torch.arange(32).expand(2, 32).clone()
+    positions[:, 13:] -= 13
+    with torch.no_grad():
+        plain, reset = model(tokens), model(tokens, positions)
+    assert torch.equal(plain[:, :13], reset[:, :13])
+    assert not torch.allclose(plain[:, 13:], reset[:, 13:], atol=1e-4)
+    with pytest.raises(ValueError, match="positions"):
+        model(tokens, positions[:, :5])
+
+
+def test_loss_mask_drops_exactly_the_masked_targets():
+    torch.manual_seed(1)
+    logits, targets = torch.randn(2, 8, 97), torch.randint(0, 97, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    assert torch.allclose(cross_entropy(logits, targets, mask), cross_entropy(logits, targets))
+    mask[0, 3] = mask[1, 7] = False
+    per_target = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    expected = (per_target.sum() - per_target[3] - per_target[15]) / 16
+    assert torch.allclose(cross_entropy(logits, targets, mask), expected)
+    # the boundary target gets no gradient at all
+    logits.requires_grad_(True)
+    cross_entropy(logits, targets, mask).backward()
+    assert torch.count_nonzero(logits.grad[0, 3]) == 0 and torch.count_nonzero(logits.grad[0, 2]) > 0
+    # the masked loss splits exactly into micro-batches: mean of the halves' losses == the whole
+    parts = zip(logits.split(1), targets.split(1), mask.split(1), strict=True)
+    halves = [cross_entropy(lo, t, m) for lo, t, m in parts]
+    assert torch.allclose(sum(halves) / 2, cross_entropy(logits, targets, mask))

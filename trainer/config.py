@@ -45,8 +45,12 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = ""  # prepared shards (dir or URL); empty = the built-in corpus
-    num_workers: int = 0
+    num_workers: int = 0  # loader worker processes per rank; 0 = read in the training process
     seed: int = 1234
+    # RoPE positions restart at 0 after each EOS, as they do when the model generates a new document.
+    reset_positions: bool = True
+    # Drop the loss of targets that start a new document (input token = EOS): nothing before predicts them.
+    mask_boundary_loss: bool = False
     cache_dir: str = ""  # built-in corpus cache; empty = $REKINDLE_CACHE or ~/.cache/rekindle
     builtin_mb: float = 8.0  # size of the built-in corpus in MB of text
     val_fraction: float = 0.01  # held-out share of samples for eval loss

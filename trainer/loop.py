@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from data.corpus import ensure_builtin
+from data.loader import BatchLoader
 from data.shards import ShardSet
-from data.stream import TokenStream
+from data.stream import BatchWithPositions, TokenStream
 from trainer import checkpoint, fault, host, parallel
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
@@ -57,15 +58,32 @@ def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
     return shards
 
 
+Micro = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # tokens, RoPE positions, loss mask
+
+
+def micro_batches(batch: torch.Tensor | BatchWithPositions, size: int, cfg: Config,
+                  device: torch.device) -> list[Micro]:
+    """Split a loader batch into micro-batches of (tokens, positions or None, loss mask or None),
+    keeping only what data.reset_positions / data.mask_boundary_loss ask for."""
+    if isinstance(batch, torch.Tensor):
+        return [(m, None, None) for m in batch.to(device).split(size)]
+    tokens = batch.tokens.to(device).split(size)
+    positions = batch.positions.to(device).split(size) if cfg.data.reset_positions else [None] * len(tokens)
+    masks = batch.loss_mask.to(device).split(size) if cfg.data.mask_boundary_loss else [None] * len(tokens)
+    return list(zip(tokens, positions, masks, strict=True))
+
+
 @torch.no_grad()
 def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo, micro_batch: int) -> float:
+    """Mean held-out loss over all targets (never masked, so runs with and without the mask compare)."""
     model.eval()
     total = 0.0
     for j in range(cfg.train.eval_batches):
         batch = stream.val_batch(j).to(info.device)
         for micro in batch.split(micro_batch):
+            positions = stream.positions(micro) if cfg.data.reset_positions else None
             with parallel.autocast(cfg.dist, info):
-                total += cross_entropy(model(micro[:, :-1]), micro[:, 1:]).item() * len(micro)
+                total += cross_entropy(model(micro[:, :-1], positions), micro[:, 1:]).item() * len(micro)
     model.train()
     n = cfg.train.eval_batches * stream.local_batch
     return parallel.all_reduce_mean([total / n], info)[0]
@@ -104,6 +122,8 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
     shards = open_dataset(cfg, info)
     stream = TokenStream(shards, cfg.model.seq_len, t.global_batch, cfg.data.seed, info.rank, info.world,
                          cfg.data.val_fraction)
+    loader = BatchLoader(stream, cfg.data.num_workers,
+                         with_positions=cfg.data.reset_positions or cfg.data.mask_boundary_loss)
     entropy = shards.manifest.stats.get("unigram_entropy_nats", float("nan"))
     say(f"data {shards.root}: {len(shards):,} tokens, {stream.n_train:,} train / {stream.n_val:,} held-out "
         f"samples, unigram entropy {entropy:.3f} nats")
@@ -131,7 +151,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
                 f"checkpoint.resume=required but no usable committed checkpoint in {cfg.checkpoint_dir}")
         if latest is not None:
             state = ckpt.load(latest, model, optimizer)
-            stream.load_state_dict(state.data or {})
+            loader.load_state_dict(state.data or {})
             say(f"resumed from step {state.step} ({checkpoint.step_dir(cfg.checkpoint_dir, latest)}, "
                 f"saved by {state.world} rank(s))")
         else:
@@ -154,7 +174,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
         step = state.step + 1
         fault.inject_faults(step, info.rank)
         data_start = time.perf_counter()
-        batch = stream.next_batch().to(info.device)
+        micros = micro_batches(next(loader), micro_batch, cfg, info.device)
         data_wait += time.perf_counter() - data_start
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
@@ -162,11 +182,10 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
 
         timer.start()
         step_loss = torch.zeros((), device=info.device)
-        micros = batch.split(micro_batch)
-        for i, micro in enumerate(micros):
+        for i, (micro, positions, mask) in enumerate(micros):
             parallel.set_gradient_sync(model, i == len(micros) - 1)
             with parallel.autocast(cfg.dist, info):
-                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:]) / len(micros)
+                loss = cross_entropy(model(micro[:, :-1], positions), micro[:, 1:], mask) / len(micros)
             loss.backward()
             step_loss += loss.detach()
         timer.mark()  # forward + backward done
@@ -224,7 +243,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
         saved = (ck.every and step % ck.every == 0) or is_last
         if saved:
             heartbeat.beat("save")
-            state.data = stream.state_dict()
+            state.data = loader.state_dict()
             path = ckpt.save(state, model, optimizer, blocking=is_last or not ck.async_)  # the last one: sync
             metrics.event(f"[rekindle] checkpoint step {step} -> {path} ({ckpt.last_blocking_s:.2f}s blocking)")
         if not is_last and preemption.requested(info.world, info.device):
@@ -232,8 +251,9 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
             if saved:
                 ckpt.wait()  # an async save of this very step: let it commit
             else:
-                state.data = stream.state_dict()
+                state.data = loader.state_dict()
                 ckpt.save(state, model, optimizer, blocking=True)
+            loader.close()
             ckpt.close()
             metrics.close()
             say(f"SIGTERM: emergency checkpoint of step {step} committed; exiting with code {fault.EXIT_PREEMPTED}")
@@ -245,6 +265,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
     trace = profiler.stop()  # a range past the last step ends with the run
     if trace is not None:
         metrics.event(f"[rekindle] profiler trace -> {trace}")
+    loader.close()
     ckpt.wait()
     ckpt.close()
     metrics.close()

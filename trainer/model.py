@@ -139,12 +139,21 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (batch, seq) int64 -> logits (batch, seq, vocab) in float32."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (batch, seq) int64 -> logits (batch, seq, vocab) in float32.
+
+        positions: optional (batch, seq) int64 position ids for RoPE, e.g. restarting at 0 after each
+        end-of-document token; None means 0..seq-1 in every row (the plain, slightly cheaper path)."""
         t = tokens.shape[1]
         if t > self.args.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.args.seq_len}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        if positions is None:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        else:
+            if positions.shape != tokens.shape:
+                raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
+            # (batch, 1, seq, head_dim/2): one rotation per row and position, shared by all heads
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
@@ -166,5 +175,13 @@ class Transformer(nn.Module):
         return 6.0 * matmul_params + 12.0 * a.n_layers * a.dim * a.seq_len
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token loss. With a (batch, seq) bool `mask`, targets where it is False add zero loss.
+
+    The masked mean still divides by all targets (not by the kept ones), so the loss of a batch is
+    exactly the mean of its micro-batches' losses and the same for any world size; with documents of
+    n tokens and the boundary target masked, it reads about 1/n lower than a mean over kept targets."""
+    if mask is None:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    kept = targets.masked_fill(~mask, -100).flatten(0, 1)  # -100: cross_entropy's default ignore_index
+    return F.cross_entropy(logits.flatten(0, 1), kept, reduction="sum") / kept.numel()
