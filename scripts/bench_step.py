@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.steps < 3 * WINDOW:
+        ap.error(f"--steps must be at least {3 * WINDOW}: the first (warm-up) and last (eval) windows of "
+                 f"{WINDOW} steps are left out")
     cfg = config_.load(args.config, args.overrides)
     if cfg.dist.tune_malloc:
         host.tune_malloc()
