@@ -32,6 +32,7 @@ from launch.ledger import Ledger, format_summary
 from launch.policy import EXIT_FAILED, Decision, Failure, RestartPolicy
 from launch.watchdog import Watchdog
 from trainer.config import Config
+from trainer.cost import cost_report, format_cost
 from trainer.fault import EXIT_PREEMPTED, HEARTBEAT_ENV
 
 LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"
@@ -306,8 +307,14 @@ class Supervisor:
             code, outcome = self._decision.exit_code, self._decision.reason.splitlines()[0]
         else:
             code, outcome = EXIT_FAILED, "failed"
+        if self.cfg.log.cost_per_device_hour:
+            tokens = summary["steps_kept"] * self.cfg.train.global_batch * self.cfg.model.seq_len
+            summary["cost"] = cost_report(self.opts.nproc_per_node, summary["wall_s"], tokens,
+                                          summary["lost_s"], self.cfg.log.cost_per_device_hour)
         self.ledger.event("done", exit_code=code, outcome=outcome, **summary)
         say(f"{outcome}: {format_summary(summary)} -> exit {code}")
+        if "cost" in summary:
+            say(f"this node: {format_cost(summary['cost'])}")
         return code
 
 

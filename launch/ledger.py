@@ -91,13 +91,25 @@ class Ledger:
             total += a.busy_s * kept / a.steps_run
         return total
 
+    def lost_s(self) -> float:
+        """Time failures cost: each recovery (failure noticed -> first step after resume) plus the
+        step time of work that had to be redone."""
+        busy = sum(a.busy_s for a in self.attempts)
+        return sum(r["recovery_s"] for r in self.resumes) + max(busy - self.productive_s(), 0.0)
+
+    def steps_kept(self) -> int:
+        """Steps trained in this launch whose results survived."""
+        first = next((a.resumed_step for a in self.attempts if a.resumed_step is not None), 0)
+        return max((self.attempts[-1].last_step if self.attempts else 0) - first, 0)
+
     def summary(self, ended: float | None = None) -> dict:
         wall = (ended or time.time()) - self.started
         return {
             "wall_s": round(wall, 3), "restarts": max(len(self.attempts) - 1, 0), "failures": len(self.failures),
             "lost_steps": sum(r["lost_steps"] for r in self.resumes),
             "recovery_s": [r["recovery_s"] for r in self.resumes],
-            "productive_s": round(self.productive_s(), 3),
+            "productive_s": round(self.productive_s(), 3), "lost_s": round(self.lost_s(), 3),
+            "steps_kept": self.steps_kept(),
             "goodput": round(self.productive_s() / wall, 4) if wall > 0 else 0.0,
             "final_step": self.attempts[-1].last_step if self.attempts else 0,
         }

@@ -22,6 +22,7 @@ class Hang:
     step: int
     stale_s: float
     state: str  # stopped | spinning | waiting | gone
+    cpu: float = 0.0  # recent CPU use, fraction of one core
 
     def describe(self) -> str:
         what = {"stopped": "is stopped (SIGSTOP or a debugger)", "spinning": "is spinning (busy CPU, no progress)",
@@ -63,7 +64,7 @@ class Watchdog:
         now = time.time() if now is None else now
         beats = self.beats(attempt)
         stale = [b for b in beats.values() if b.get("t_first") and now - b["t"] > self.hang_timeout_s]
-        hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], self._state(b["pid"], now)) for b in stale]
+        hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now)) for b in stale]
         for b in beats.values():  # CPU time sampled about once a second tells spinning from waiting
             stat = _proc_stat(b["pid"])
             if stat and now - self._cpu.get(b["pid"], (0.0, 0))[0] >= 1.0:
@@ -71,20 +72,20 @@ class Watchdog:
         if not hangs:
             return None
         order = {"stopped": 0, "spinning": 1, "gone": 2, "waiting": 3}
-        return min(hangs, key=lambda h: (order[h.state], h.step, h.rank))
+        return min(hangs, key=lambda h: (order[h.state], -h.cpu, h.step, h.rank))
 
-    def _state(self, pid: int, now: float) -> str:
+    def _state(self, pid: int, now: float) -> tuple[str, float]:
+        """(state, recent CPU use as a fraction of one core). A rank waiting in a collective sleeps
+        (state S, little CPU); a spinning one is runnable (R) or burns CPU even on a crowded machine."""
         stat = _proc_stat(pid)
         if stat is None:
-            return "gone"
+            return "gone", 0.0
         letter, ticks = stat
         if letter in "Tt":
-            return "stopped"
+            return "stopped", 0.0
         then, then_ticks = self._cpu.get(pid, (0.0, 0))
-        if now - then < 0.2 or now - then > 10:  # no usable recent sample: trust the scheduler state
-            return "spinning" if letter == "R" else "waiting"
-        busy = (ticks - then_ticks) / os.sysconf("SC_CLK_TCK") / (now - then)
-        return "spinning" if busy > 0.5 else "waiting"
+        busy = (ticks - then_ticks) / os.sysconf("SC_CLK_TCK") / (now - then) if 0.2 <= now - then <= 10 else 0.0
+        return ("spinning" if letter == "R" or busy > 0.3 else "waiting"), busy
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

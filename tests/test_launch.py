@@ -76,7 +76,7 @@ def reference(cache_dir, tmp_path_factory) -> Path:
 
 
 def test_sigkilled_rank_restarts_and_matches_an_uninterrupted_run(reference, tmp_path):
-    proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10"])
+    proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10", "log.cost_per_device_hour=3.0"])
     victim = wait_for_step(tmp_path, 25, rank=1)
     os.kill(victim["pid"], signal.SIGKILL)
     out = finish(proc)
@@ -88,6 +88,8 @@ def test_sigkilled_rank_restarts_and_matches_an_uninterrupted_run(reference, tmp
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["step"] >= 20 and resume["lost_steps"] <= 10 + 2, resume
     assert events[-1]["event"] == "done" and events[-1]["restarts"] == 1
+    cost = events[-1]["cost"]
+    assert cost["devices"] == 2 and 0 < cost["lost_share"] < 1 and "lost to failures/restarts" in out
 
     ours, theirs = read_metrics(tmp_path), read_metrics(reference)
     assert [ours[s]["loss"] for s in range(1, 61)] == [theirs[s]["loss"] for s in range(1, 61)]

@@ -58,7 +58,11 @@ def test_goodput_counts_only_steps_that_survived(tmp_path):
     ledger.attempts = [Attempt(0, 0.0, resumed_step=0, last_step=50, busy_s=50.0, steps_run=50),
                        Attempt(1, 60.0, resumed_step=40, last_step=100, busy_s=60.0, steps_run=60)]
     assert ledger.productive_s() == pytest.approx(40.0 + 60.0)
-    assert ledger.summary(ended=125.0)["goodput"] == pytest.approx(100 / 125, abs=1e-4)
+    ledger.resumes = [{"step": 40, "lost_steps": 10, "recovery_s": 5.0}]
+    summary = ledger.summary(ended=125.0)
+    assert summary["goodput"] == pytest.approx(100 / 125, abs=1e-4)
+    assert summary["lost_s"] == pytest.approx(5.0 + 10.0)  # the recovery, and the 10 steps redone
+    assert summary["steps_kept"] == 100
 
 
 def _beat(directory, rank: int, pid: int, age_s: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import threading
 import time
@@ -65,6 +66,10 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
 def shutdown() -> None:
     for timer in list(_COMM_TIMERS):  # a run that ended in an exception leaves its CommTimer open
         timer.close()
+    # FSDP2 modules sit in reference cycles (hooks), so the process group they hold would otherwise be
+    # destroyed during interpreter teardown, where gloo's threads abort the process now and then
+    # ("terminate called without an active exception"). Free them while the interpreter is whole.
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
