@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from launch.ledger import Ledger, format_summary
+from launch.ledger import Ledger, format_summary, read_events
 from launch.policy import EXIT_FAILED, Decision, Failure, RestartPolicy
 from launch.watchdog import Watchdog
 from trainer.config import Config
@@ -298,8 +298,9 @@ class Supervisor:
         if result is not None and result.state == WorkerState.SUCCEEDED:
             code, outcome = 0, "done"
         elif self.preempt_at is not None:
-            clean = result is not None and result.state == WorkerState.FAILED and all(
-                f.exitcode == EXIT_PREEMPTED for f in result.failures.values())
+            # Clean when a checkpoint was committed after the signal (ranks that are still tearing
+            # down when the first one exits may be signalled again: their exit codes do not tell).
+            clean = any(e["event"] == "commit" and e["time"] >= self.preempt_at for e in read_events(self.cfg.run.dir))
             code, outcome = EXIT_PREEMPTED, "preempted" if clean else "preempted (no emergency checkpoint)"
         elif self._error is not None:
             code, outcome = EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"

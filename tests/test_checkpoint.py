@@ -376,7 +376,6 @@ def reshard_worker(root: Path) -> None:
     got = full_state(fresh, fresh_opt)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), "1->2 differs"
     print(f"1->2 equal on rank {info.rank}", flush=True)
-    torch.distributed.destroy_process_group()
 
 
 def test_save_failure_is_loud(tmp_path):
@@ -387,4 +386,7 @@ def test_save_failure_is_loud(tmp_path):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["reshard-worker"]:
+    from trainer.parallel import shutdown
+
     reshard_worker(Path(sys.argv[2]))
+    shutdown()  # after the FSDP modules are out of scope: see parallel.shutdown
