@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from launch.ledger import Ledger, format_summary, read_events
 from launch.policy import EXIT_FAILED, Decision, Failure, RestartPolicy
-from launch.watchdog import Watchdog
+from launch.watchdog import Watchdog, proc_stat
 from trainer.config import Config
 from trainer.cost import cost_report, format_cost
 from trainer.fault import EXIT_PREEMPTED, HEARTBEAT_ENV
@@ -351,11 +351,8 @@ def _blame_order(rank: int, pf) -> tuple:
 
 def _alive(pid: int) -> bool:
     """Running (not exited, not a zombie waiting to be reaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
 
 
 def _signal(pid: int, sig: signal.Signals, group: bool) -> None:

@@ -31,7 +31,7 @@ class Hang:
                 f"after step {self.step}")
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
+def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, utime + stime in clock ticks) of a process, or None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -66,7 +66,7 @@ class Watchdog:
         stale = [b for b in beats.values() if b.get("t_first") and now - b["t"] > self.hang_timeout_s]
         hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now)) for b in stale]
         for b in beats.values():  # CPU time sampled about once a second tells spinning from waiting
-            stat = _proc_stat(b["pid"])
+            stat = proc_stat(b["pid"])
             if stat and now - self._cpu.get(b["pid"], (0.0, 0))[0] >= 1.0:
                 self._cpu[b["pid"]] = (now, stat[1])
         if not hangs:
@@ -77,7 +77,7 @@ class Watchdog:
     def _state(self, pid: int, now: float) -> tuple[str, float]:
         """(state, recent CPU use as a fraction of one core). A rank waiting in a collective sleeps
         (state S, little CPU); a spinning one is runnable (R) or burns CPU even on a crowded machine."""
-        stat = _proc_stat(pid)
+        stat = proc_stat(pid)
         if stat is None:
             return "gone", 0.0
         letter, ticks = stat

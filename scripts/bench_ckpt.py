@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import io
-import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fsspec  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from loopback_s3 import start_s3  # noqa: E402  (scripts/ is on sys.path)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
@@ -44,24 +43,6 @@ from trainer.model import ModelArgs, Transformer  # noqa: E402
 from trainer.parallel import DistInfo  # noqa: E402
 
 SOLO = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_s3() -> object:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-    return server
 
 
 def build(layers: int, seed: int = 0) -> tuple[Transformer, torch.optim.AdamW, int]:

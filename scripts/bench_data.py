@@ -21,7 +21,6 @@ import argparse
 import multiprocessing
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,27 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loopback_s3 import start_s3  # noqa: E402  (scripts/ is on sys.path)
+
 from data import tokenizer as tokenizers_  # noqa: E402
 from data.corpus import _read, source_files  # noqa: E402
 from data.prepare import chunks, prepare  # noqa: E402
 from data.shards import ShardSet  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_s3() -> object:
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-    return server
 
 
 def upload(local: Path, url: str) -> str:
