@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model import ModelArgs, Transformer, cross_entropy
+from trainer.model import ModelArgs, Transformer, apply_rope, cross_entropy, rope_tables
 
 
 def tiny(**kw) -> Transformer:
@@ -110,3 +110,22 @@ def test_loss_mask_drops_exactly_the_masked_targets():
     parts = zip(logits.split(1), targets.split(1), mask.split(1), strict=True)
     halves = [cross_entropy(lo, t, m) for lo, t, m in parts]
     assert torch.allclose(sum(halves) / 2, cross_entropy(logits, targets, mask))
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    """RoPE: rotating q at position m and k at position n gives q.k that depends on m - n only, and
+    the real-arithmetic form used under torch.compile equals the complex multiply used in eager."""
+    torch.manual_seed(0)
+    rotation = rope_tables(head_dim=8, seq_len=16, theta=10000.0)
+    q, k = torch.randn(8), torch.randn(8)
+
+    def score(m: int, n: int) -> torch.Tensor:
+        # a batch of two one-token sequences: q at position m, k at position n
+        rotated = apply_rope(torch.stack((q, k)).view(2, 1, 1, 8), rotation[[m, n]].view(2, 1, 1, 4, 2))
+        return rotated[0, 0, 0] @ rotated[1, 0, 0]
+
+    assert torch.allclose(score(5, 2), score(12, 9), atol=1e-5) and not torch.allclose(score(5, 2), score(5, 3))
+    assert torch.equal(apply_rope(q.view(1, 1, 1, 8), rotation[:1]), q.view(1, 1, 1, 8))  # position 0: identity
+    x = torch.randn(2, 3, 16, 8)
+    compiled = torch.compile(apply_rope, backend="aot_eager")(x, rotation)  # traced: the real-arithmetic branch
+    assert torch.allclose(compiled, apply_rope(x, rotation), atol=1e-6)

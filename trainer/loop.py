@@ -134,6 +134,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = parallel.parallelize(model, cfg.dist, info)
     optimizer = build_optimizer(model, cfg, info.device)
+    loss_fn = parallel.loss_function(cfg.dist)
     peak, peak_source = peak_flops(info.device, cfg.log.peak_tflops)
     say(f"model {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOPs/token | world {info.world} "
         f"({info.backend}, {parallel.compute_dtype(cfg.dist, info.device)}) | global batch {t.global_batch} "
@@ -185,7 +186,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
         for i, (micro, positions, mask) in enumerate(micros):
             parallel.set_gradient_sync(model, i == len(micros) - 1)
             with parallel.autocast(cfg.dist, info):
-                loss = cross_entropy(model(micro[:, :-1], positions), micro[:, 1:], mask) / len(micros)
+                loss = loss_fn(model(micro[:, :-1], positions), micro[:, 1:], mask) / len(micros)
             loss.backward()
             step_loss += loss.detach()
         timer.mark()  # forward + backward done
