@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 _CHUNK = 8 << 20
+_REMOTE_CHUNK = 32 << 20
 # The storage format of tensor items written here: the tensor's bytes, row-major, nothing else. Its
 # dtype and shape are the chunk's in `.metadata`. A transform descriptor as far as DCP is concerned:
 # a stock DCP reader does not know it and raises instead of misreading the bytes.
@@ -96,9 +97,12 @@ def checksum_bytes(data: bytes, algorithm: str = CHECKSUM) -> str:
 
 
 def checksum_file(fs: fsspec.AbstractFileSystem, path: str, algorithm: str = CHECKSUM) -> str:
+    """Object stores: one request per 32 MB read, no read-ahead copy (on the loopback S3 server, 100 MB
+    verified in 0.42 s instead of 0.56 s with 8 MB reads through s3fs's read-ahead cache)."""
     digest = new_digest(algorithm)
-    with fs.open(path, "rb", block_size=_CHUNK) as f:
-        while chunk := f.read(_CHUNK):
+    size = _CHUNK if "file" in fs.protocol else _REMOTE_CHUNK
+    with fs.open(path, "rb", block_size=size, cache_type="none") as f:
+        while chunk := f.read(size):
             digest.update(chunk)
     return digest.hexdigest()
 
