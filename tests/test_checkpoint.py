@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, SMOKE, child_env, free_port, read_metrics, run_trainer, trainer_cmd
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -170,7 +171,7 @@ def test_stock_dcp_reader_refuses_the_raw_format(tmp_path):
     """A reader that does not know the format (DCP's own) fails loudly instead of misreading bytes."""
     sd = {"x": torch.randn(4, 4), "step": 3}
     dcp.save(sd, storage_writer=storage.writer(str(tmp_path)), no_dist=True)
-    with pytest.raises(BaseException, match=f"Unknown extension name='{RAW_FORMAT}'"):  # noqa: PT011
+    with pytest.raises(CheckpointException, match=f"Unknown extension name='{RAW_FORMAT}'"):
         dcp.load(blank(sd), storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
 
 
