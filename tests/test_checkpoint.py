@@ -1,4 +1,5 @@
-"""Checkpoints: bit-exact round trips (local and a real loopback S3), corruption detection with
+"""Checkpoints: bit-exact round trips (local and a real loopback S3), the raw shard format (dtypes,
+views, partial reads, old-format checkpoints, stock DCP refusing it), corruption detection with
 fallback, retention, crash-during-save recovery (real SIGKILL, also with the checkpoint on S3), async
 vs sync, an async write error stopping every rank, resharding 2->1 and 1->2 with equal parameters,
 and checkpoints that try to run code on load.
@@ -18,13 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import REPO, SMOKE, child_env, free_port, read_metrics, run_trainer, trainer_cmd
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState, _commit_digest, step_dir
-from trainer.ckpt_storage import UnsafeCheckpointError, load_metadata
+from trainer import ckpt_storage as storage
+from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState, _commit_digest, load_state, step_dir
+from trainer.ckpt_storage import RAW_FORMAT, UnsafeCheckpointError, load_metadata
 from trainer.model import ModelArgs, Transformer
 from trainer.parallel import DistInfo
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 SOLO = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
 
@@ -69,6 +76,132 @@ def test_round_trip_is_bit_exact(tmp_path, where, request):
     state = ckpt.load(7, *fresh)
     assert (state.step, state.tokens_seen, state.data) == (7, 70, {"samples_consumed": 14})
     assert_same(saved, fresh)
+
+
+def odd_tensors() -> dict:
+    """Every dtype a checkpoint may hold, and tensors that are views: a slice with a storage offset, a
+    non-contiguous column slice and transpose, a scalar, an empty tensor; plus a non-tensor item."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    return {
+        "f32": torch.randn(5, 3, generator=g), "bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(4, generator=g).half(), "f64": torch.randn(2, 2, generator=g).double(),
+        "i64": torch.randint(-2**62, 2**62, (9,), generator=g), "i32": torch.randint(-9, 9, (3, 3), generator=g).int(),
+        "u8": torch.randint(0, 255, (11,), generator=g, dtype=torch.uint8), "bool": torch.rand(13, generator=g) > 0.5,
+        "c64": torch.randn(3, generator=g, dtype=torch.complex64),
+        "rows": base[2:5], "cols": base[:, 1:4], "t": base.t(), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+        "step": 12, "note": {"lr": 0.1, "betas": (0.9, 0.95)},
+    }
+
+
+def blank(sd: dict) -> dict:
+    """The same structure: tensors zeroed, other values None."""
+    return {k: blank(v) if isinstance(v, dict) else torch.zeros_like(v) if torch.is_tensor(v) else None
+            for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_raw_format_round_trip_is_bit_exact(tmp_path, where, request):
+    path = str(tmp_path / "ck") if where == "local" else request.getfixturevalue("s3_bucket") + "/raw/ck"
+    sd = odd_tensors()
+    w = storage.writer(path)
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    fs, p = storage.filesystem(path)
+    meta = load_metadata(fs.cat_file(f"{p}/.metadata"))
+    formats = {k.fqn: v.transform_descriptors for k, v in meta.storage_data.items()}
+    assert {k for k, f in formats.items() if f == (RAW_FORMAT,)} == {k for k, v in sd.items() if torch.is_tensor(v)}
+    assert formats["step"] is None and formats["note.lr"] is None  # objects: torch.save'd, as DCP does
+    assert set(w.digests) == {"__0_0.distcp", ".metadata"}
+    for name, info in w.digests.items():  # hashed as written == hashed as stored
+        assert info[storage.CHECKSUM] == storage.checksum_file(fs, f"{p}/{name}"), name
+    got = blank(sd)
+    load_state(got, path)
+    for k, v in sd.items():
+        if torch.is_tensor(v):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def test_raw_format_partial_reads(tmp_path):
+    """Resharding reads part of a stored chunk: whole rows (read alone), or a box (the chunk, then
+    narrowed); into a contiguous destination or a strided view; with a dtype cast."""
+    x = torch.arange(48, dtype=torch.float32).view(6, 8)
+    dcp.save({"x": x}, storage_writer=storage.writer(str(tmp_path)), no_dist=True)
+    reader = storage.reader(str(tmp_path))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+
+    class Into:
+        def __init__(self, dest):
+            self.dest, self.committed = dest, 0
+
+        def resolve_tensor(self, item):
+            return self.dest
+
+        def commit_tensor(self, item, tensor):
+            self.committed += 1
+
+    cases = [((2, 0), (3, 8), torch.empty(3, 8)), ((1, 2), (3, 4), torch.empty(3, 4)),
+             ((0, 0), (6, 8), torch.empty(8, 6).t()), ((4, 3), (2, 5), torch.empty(2, 5, dtype=torch.float64))]
+    for offsets, lengths, dest in cases:
+        item = ReadItem(LoadItemType.TENSOR, MetadataIndex("x"), torch.Size([0, 0]), MetadataIndex("x", [0, 0], 0),
+                        torch.Size(offsets), torch.Size(lengths))
+        planner = Into(dest)
+        reader.read_data(LoadPlan([item]), planner).wait()
+        want = x[offsets[0]:offsets[0] + lengths[0], offsets[1]:offsets[1] + lengths[1]]
+        assert planner.committed == 1 and torch.equal(dest, want.to(dest.dtype)), (offsets, lengths)
+
+
+def test_checkpoint_of_dcps_own_format_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before the raw format (DCP's torch.save per tensor) load as before."""
+    monkeypatch.setattr(storage._LocalWriter, "write_data", dcp.FileSystemWriter.write_data)
+    saved = trained(0)
+    Checkpointer(str(tmp_path), SOLO).save(TrainState(step=3), *saved)
+    monkeypatch.undo()
+    meta = load_metadata((tmp_path / "step-00000003" / ".metadata").read_bytes())
+    assert all(info.transform_descriptors is None for info in meta.storage_data.values())  # the old format
+    ckpt = Checkpointer(str(tmp_path), SOLO)
+    assert ckpt.discover_latest() == 3
+    fresh = trained(1)
+    ckpt.load(3, *fresh)
+    assert_same(saved, fresh)
+
+
+def test_stock_dcp_reader_refuses_the_raw_format(tmp_path):
+    """A reader that does not know the format (DCP's own) fails loudly instead of misreading bytes."""
+    sd = {"x": torch.randn(4, 4), "step": 3}
+    dcp.save(sd, storage_writer=storage.writer(str(tmp_path)), no_dist=True)
+    with pytest.raises(CheckpointException, match=f"Unknown extension name='{RAW_FORMAT}'"):
+        dcp.load(blank(sd), storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+
+
+def test_flipped_bit_in_raw_tensor_data_is_caught_before_use(tmp_path, capsys):
+    """Raw tensor bytes have no structure of their own to fail on: only the checksum catches a flip.
+    The step is refused at discovery (and by export), before any of its bytes are loaded."""
+    from trainer.export import resolve
+
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=3)
+    first = trained(0)
+    ckpt.save(TrainState(step=1), *first)
+    ckpt.save(TrainState(step=2), *trained(1))
+    step = tmp_path / "step-00000002"
+    meta = load_metadata((step / ".metadata").read_bytes())
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == "model.output.weight")
+    assert info.transform_descriptors == (RAW_FORMAT,)
+    shard = step / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    unverified = trained(2)
+    ckpt.load(2, *unverified)  # loading without verification would use the flipped value silently
+    assert not torch.equal(unverified[0].output.weight, trained(1)[0].output.weight)
+    assert ckpt.discover_latest() == 1
+    assert f"{step}/{info.relative_path} fails its checksum" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        resolve(str(step))
+    restored = trained(3)
+    ckpt.load(1, *restored)
+    assert_same(first, restored)
 
 
 def corrupt(path: Path, how: str) -> None:

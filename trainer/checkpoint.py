@@ -2,14 +2,16 @@
 collective save with an atomic commit, verification with fallback, retention, async saves, resume.
 
 Layout of one checkpoint:
-  <dir>/step-00000120/   __<rank>_0.distcp + .metadata   model and optimizer (DCP), resharded on load
+  <dir>/step-00000120/   __<rank>_0.distcp + .metadata   model and optimizer (DCP), resharded on load; each
+                                                         tensor chunk stored as its raw bytes (format:
+                                                         ckpt_storage), objects torch.save'd
                          train_state.json                step, tokens, data state, RNG per rank, world, config
                                                          hash, tied parameter names
                          COMMIT.json                     written last by rank 0: every file with size + checksum
                                                          (xxh3-128), and a sha256 of COMMIT.json's own content
-Protocol: every rank writes its shards, hashing them as they are written; success is agreed
-collectively; only then rank 0 writes train_state.json and COMMIT.json. A step without a valid
-COMMIT.json is never loaded. On resume every rank verifies its share of the files of the newest
+Protocol: every rank writes its shards (rank 0 also `.metadata`), hashing them as they are written;
+success is agreed collectively; only then rank 0 writes train_state.json and COMMIT.json. A step
+without a valid COMMIT.json is never loaded. On resume every rank verifies its share of the files of the newest
 committed step; any missing, truncated or corrupt file names itself in a warning and the previous
 commit is tried. Steps are deleted only after a newer one is committed.
 
@@ -348,12 +350,15 @@ class Checkpointer:
             raise CheckpointError(message)
 
     def _write_commit(self, state: TrainState, path: str, files: dict) -> None:
+        """`files`: what the ranks wrote, `.metadata` included (rank 0's DCP writer hashed it)."""
         fs, p = storage.filesystem(path)
-        with fs.open(f"{p}/{TRAIN_STATE}", "w") as f:
-            json.dump(asdict(state), f, indent=1)
-        for name in (".metadata", TRAIN_STATE):
-            full = f"{p}/{name}"
-            files[name] = {"size": int(fs.size(full)), storage.CHECKSUM: storage.checksum_file(fs, full)}
+        body = json.dumps(asdict(state), indent=1).encode()
+        with fs.open(f"{p}/{TRAIN_STATE}", "wb") as f:
+            f.write(body)
+        files[TRAIN_STATE] = {"size": len(body), storage.CHECKSUM: storage.checksum_bytes(body)}
+        if ".metadata" not in files:  # not seen being written (a writer that bypasses the hashing): read it
+            full = f"{p}/.metadata"
+            files[".metadata"] = {"size": int(fs.size(full)), storage.CHECKSUM: storage.checksum_file(fs, full)}
         commit = {"step": state.step, "time": time.time(), "world": self.info.world, "files": files}
         commit["sha256"] = _commit_digest(commit)
         with fs.open(f"{p}/{COMMIT}", "w") as f:  # last: the step exists from here on
