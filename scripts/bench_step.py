@@ -7,8 +7,8 @@ The bare loop has no data loading (pre-made random tokens), no metrics, no check
 runs its real loop (data from the built-in corpus, logging, guard) with eval and checkpoints only at
 the end, whose window is left out. Both report the median tokens/s over windows of 10 steps after
 a warm-up window. Rounds alternate bare/trainer so machine noise hits both alike. The trainer tunes
-glibc malloc in its process (dist.tune_malloc); this script does the same before the first bare
-loop, so the ratio measures the loop, not the allocator. `scripts/bench.py` runs this comparison
+glibc malloc in its process and puts its heap on huge pages (dist.tune_malloc); this script does the
+same in the bare loop, so the ratio measures the loop, not the allocator. `scripts/bench.py` runs this comparison
 together with the rest of the performance report.
 """
 
@@ -39,7 +39,8 @@ WINDOW = 10
 
 def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
     """nanoGPT-style loop: forward, loss, backward, clip, AdamW step. Returns tokens/s per window.
-    On a GPU: bf16 autocast and fused AdamW, like the trainer's world-size-1 path."""
+    Fused AdamW and, on a GPU, bf16 autocast, like the trainer's world-size-1 path; on CPU the heap on
+    huge pages after the first step, as in the trainer (dist.tune_malloc)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.run.seed)
     model = Transformer(ModelArgs(**asdict(cfg.model))).to(device)
@@ -47,7 +48,7 @@ def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)  # as the trainer's auto
     batch = torch.randint(0, cfg.model.vocab_size, (t.global_batch, cfg.model.seq_len + 1), device=device)
     accum = t.global_batch // t.micro_batch
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -63,6 +64,8 @@ def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()  # the trainer syncs on the loss/grad norm each step too
+        if step == 1 and cfg.dist.tune_malloc and device.type == "cpu":
+            host.huge_pages_for_heap()  # as the trainer does after its first step
         if step % WINDOW == 0:
             now = time.perf_counter()
             rates.append(t.global_batch * cfg.model.seq_len * WINDOW / (now - start))

@@ -6,11 +6,15 @@ the 2-rank run is a real torchrun."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE, read_metrics, run_trainer
+from conftest import REPO, SMOKE, read_metrics, run_trainer
 
 from trainer.config import load
 from trainer.loop import build_optimizer, train
@@ -64,3 +68,31 @@ def test_two_ranks_report_communication_wait(cache_dir, tmp_path):
         parts = sum(r[k] for k in ("data_wait_s", "fwd_bwd_s", "optim_s", "comm_wait_s"))
         assert parts <= r["step_time_s"] * 1.01
     assert "+ comm " in next(s for s in proc.stdout.splitlines() if "time per step:" in s)
+
+
+def test_heap_on_huge_pages_after_malloc_tuning():
+    """dist.tune_malloc: large freed blocks stay in the heap, and huge_pages_for_heap() backs the heap
+    with 2 MiB pages (checked in a fresh process: AnonHugePages of its own mappings)."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    code = """if True:
+        import torch
+        from trainer import host
+        assert host.tune_malloc()
+        buffers = [torch.ones(64 << 20, dtype=torch.uint8) for _ in range(4)]  # 256 MiB through malloc
+        del buffers  # kept in the heap, not unmapped
+        def huge_kb():
+            line = next(l for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages:"))
+            return int(line.split()[1])
+        before = huge_kb()
+        advised = host.huge_pages_for_heap()
+        print(advised >> 20, before >> 10, huge_kb() >> 10)
+    """
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    advised_mb, before_mb, after_mb = map(int, out.stdout.split())
+    assert advised_mb >= 250
+    kernel = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    if kernel >= (6, 1):  # MADV_COLLAPSE converts pages already mapped
+        assert after_mb >= 200 and after_mb > before_mb, (before_mb, after_mb)

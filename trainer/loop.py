@@ -212,6 +212,8 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
         heartbeat.beat("train", step=step, busy_s=busy_s, steps_run=step - start_step)
         if step == start_step + 1:  # start-up is over: hangs from here on should fail fast
             parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
+            if cfg.dist.tune_malloc and info.device.type == "cpu":
+                host.huge_pages_for_heap()  # the heap has its steady size now: back it with 2 MiB pages
         loss_sum += float(step_loss)
         window_steps += 1
         metrics.step(step)
