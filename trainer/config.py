@@ -90,7 +90,7 @@ class DistConfig:
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 600.0
     mixed_precision: str = "auto"  # auto | fp32 | bf16
-    compile: bool = False  # torch.compile each transformer block (inductor; needs a C compiler on CPU)
+    compile: bool = False  # torch.compile model (per block under FSDP) + loss (inductor; needs a C compiler)
     activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
     fused_adamw: str = "auto"  # auto (fused kernel on GPU and CPU) | fused | foreach
     tune_malloc: bool = True  # glibc: no mmap for large blocks, no trimming (page faults cost ~10% on CPU)

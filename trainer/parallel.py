@@ -87,7 +87,8 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
     """Apply activation checkpointing, compile and FSDP2 to a Transformer, in that order.
 
     World size 1 skips FSDP (nothing to shard; torchtitan does the same) and relies on autocast
-    for mixed precision, see `autocast()`.
+    for mixed precision, see `autocast()`; with dist.compile it compiles the whole model instead of
+    each block.
     """
     blocks = model.layers
     if cfg.activation_checkpointing != "none":
@@ -96,8 +97,8 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
         for i, (name, block) in enumerate(list(blocks.items())):
             if cfg.activation_checkpointing == "full" or i % 2 == 0:  # selective: every other block
                 blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-    if cfg.compile:
-        for block in blocks.values():
+    if cfg.compile and info.world > 1:
+        for block in blocks.values():  # per block, inside FSDP2's per-block hooks (as torchtitan)
             block.compile()
     if info.world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -110,6 +111,11 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
         fully_shard(model, mp_policy=mp)
     else:
         model.to(info.device)
+        if cfg.compile:
+            # No FSDP hooks to respect: one graph for the whole model also fuses across block
+            # boundaries (a block's residual add with the next block's RMSNorm): 1.03x the tokens/s
+            # of per-block compile on the default model (CPU, 1 thread).
+            model.compile()
     return model
 
 
