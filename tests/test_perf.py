@@ -70,6 +70,13 @@ def test_two_ranks_report_communication_wait(cache_dir, tmp_path):
     assert "+ comm " in next(s for s in proc.stdout.splitlines() if "time per step:" in s)
 
 
+def test_two_ranks_in_bf16_train_close_to_fp32(plain, tmp_path):
+    """FSDP2 with bf16 parameters (the GPU configuration), here on 2 gloo ranks: it runs (the fp32 RoPE
+    table reaches every block uncast) and its losses follow the fp32 run's."""
+    run_trainer(tmp_path, [*SHORT, "dist.mixed_precision=bf16"], nproc=2)
+    bf16 = [r["loss"] for _, r in sorted(read_metrics(tmp_path).items())]
+    assert bf16 == pytest.approx(plain, abs=0.05) and bf16 != plain
+
 def test_heap_on_huge_pages_after_malloc_tuning():
     """dist.tune_malloc: large freed blocks stay in the heap, and huge_pages_for_heap() backs the heap
     with 2 MiB pages (checked in a fresh process: AnonHugePages of its own mappings)."""

@@ -104,7 +104,10 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dtype = compute_dtype(cfg, info.device)
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        # No casting of forward inputs: the activations already come in param_dtype from the layer
+        # before, and the RoPE table passed to every block must stay float32 (cos/sin in bf16 lose
+        # precision at long positions, and complex numbers need float32).
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for i, block in enumerate(blocks.values()):
             # The last block's parameters are needed right away by backward: keep them gathered.
             fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
