@@ -1,4 +1,4 @@
-"""Speed options change speed, not results: activation checkpointing, per-block compile and fused AdamW
+"""Speed options change speed, not results: activation checkpointing, compile and fused AdamW
 give the losses of the plain run on CPU; on 2 gloo ranks the communication wait is measured.
 
 The single-process runs call the real trainer in this process (one `import torch` for all of them);

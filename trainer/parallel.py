@@ -1,6 +1,7 @@
 """Every distributed concern of the trainer: process-group set-up (gloo on CPU, NCCL on GPU),
-FSDP2 `fully_shard` per block and on the root, mixed precision, per-block compile and activation
-checkpointing. The model module stays plain PyTorch; this module wraps it."""
+FSDP2 `fully_shard` per block and on the root, mixed precision, compile (the whole model on one rank,
+per block under FSDP2) and activation checkpointing. The model module stays plain PyTorch; this
+module wraps it."""
 
 from __future__ import annotations
 
