@@ -84,7 +84,8 @@ def test_sigkilled_rank_restarts_and_matches_an_uninterrupted_run(reference, tmp
 
     events = read_events(tmp_path)
     failures = [e for e in events if e["event"] == "failure"]
-    assert len(failures) == 1 and failures[0]["rank"] == 1 and failures[0]["signal"] == "SIGKILL", failures
+    assert len(failures) == 1 and failures[0]["rank"] == 1 and failures[0]["signal"] == "SIGKILL", \
+        json.dumps(failures, indent=1) + out[-4000:]
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["step"] >= 20 and resume["lost_steps"] <= 10 + 2, resume
     assert events[-1]["event"] == "done" and events[-1]["restarts"] == 1
