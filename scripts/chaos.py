@@ -31,6 +31,15 @@ from trainer.fault import read_heartbeats  # noqa: E402
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
 
 
+def signal_names(text: str) -> list[str]:
+    """--signals: checked before the (long) reference run starts, not at the first kill."""
+    names = [s.strip().upper().removeprefix("SIG") for s in text.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(SIGNALS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown signal(s) {unknown or text!r}: use {', '.join(SIGNALS)}")
+    return names
+
+
 def launcher(config: str, run_dir: Path, nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "launch", f"--nproc-per-node={nproc}", config, f"run.dir={run_dir}",
            "log.progress=false", "train.log_every=1", *overrides]
@@ -82,7 +91,9 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--interval", type=float, default=60.0, help="mean seconds of training between kills")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--signals", default="KILL,KILL,KILL,STOP,TERM", help="drawn without replacement, then repeated")
+    p.add_argument("--signals", default="KILL,KILL,KILL,STOP,TERM", type=signal_names,
+                   help="comma-separated KILL, STOP, TERM (SIG prefix optional); drawn without replacement, "
+                        "then repeated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/chaos")
     p.add_argument("--timeout", type=float, default=3600)
@@ -104,7 +115,7 @@ def main() -> int:
     run_dir = out / "chaos"
     print(f"[chaos] chaos run with {args.kills} kills -> {run_dir}", flush=True)
     proc = launcher(args.config, run_dir, args.nproc, args.overrides, out / "chaos.log")
-    names = [s.strip().upper() for s in args.signals.split(",")]
+    names = args.signals
     plan: list[str] = []
     while len(plan) < args.kills:
         batch = names[:]
