@@ -5,7 +5,7 @@
   2. the trainer's tokens/s against a bare PyTorch loop on the same model and batch (goal >= 0.95);
   3. MFU of the config's model at its sequence length against the measured peak (CPU goal >= 70%);
   4. 1 rank vs 2 ranks (real torchrun, gloo, 1 thread each) and 1 rank x 2 threads on the same cores;
-  5. the effect of the speed options: compile (model + loss), activation checkpointing (selective,
+  5. the effect of the speed options: compile, activation checkpointing (selective,
      full) and the malloc tuning (dist.tune_malloc), each against the plain run;
   6. where the step time goes (data wait / forward+backward / optimizer / comm wait).
 

@@ -32,13 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer import config as config_  # noqa: E402
 from trainer import host  # noqa: E402
 from trainer.loop import lr_at, train  # noqa: E402
-from trainer.model import ModelArgs, Transformer, cross_entropy  # noqa: E402
+from trainer.model import ModelArgs, Transformer  # noqa: E402
 
 WINDOW = 10
 
 
 def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
-    """nanoGPT-style loop: forward, loss, backward, clip, AdamW step. Returns tokens/s per window.
+    """nanoGPT-style loop: forward (the model returns its loss), backward, clip, AdamW step. Returns
+    tokens/s per window.
     Fused AdamW and, on a GPU, bf16 autocast, like the trainer's world-size-1 path; on CPU the heap on
     huge pages after the first step, as in the trainer (dist.tune_malloc)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,7 +59,7 @@ def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
             group["lr"] = lr_at(step, cfg)
         for micro in batch.split(t.micro_batch):
             with autocast:
-                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:]) / accum
+                loss = model(micro[:, :-1], targets=micro[:, 1:]) / accum  # the model returns its loss
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()

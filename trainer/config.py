@@ -90,7 +90,7 @@ class DistConfig:
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 600.0
     mixed_precision: str = "auto"  # auto | fp32 | bf16
-    compile: bool = False  # torch.compile model (per block under FSDP) + loss (inductor; needs a C compiler)
+    compile: bool = False  # torch.compile the model (per block under FSDP; inductor, needs a C compiler)
     activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
     fused_adamw: str = "auto"  # auto (fused kernel on GPU and CPU) | fused | foreach
     tune_malloc: bool = True  # glibc keeps freed blocks (no page faults), heap on huge pages: ~10% on CPU

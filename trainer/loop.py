@@ -19,7 +19,7 @@ from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.cost import cost_report, format_cost
 from trainer.metrics import BREAKDOWN, MetricsLog, StepTimer, format_breakdown, memory_mb, peak_flops
-from trainer.model import ModelArgs, Transformer, cross_entropy
+from trainer.model import ModelArgs, Transformer
 from trainer.profiling import StepProfiler
 
 
@@ -83,7 +83,7 @@ def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo, m
         for micro in batch.split(micro_batch):
             positions = stream.positions(micro) if cfg.data.reset_positions else None
             with parallel.autocast(cfg.dist, info):
-                total += cross_entropy(model(micro[:, :-1], positions), micro[:, 1:]).item() * len(micro)
+                total += model(micro[:, :-1], positions, targets=micro[:, 1:]).item() * len(micro)
     model.train()
     n = cfg.train.eval_batches * stream.local_batch
     return parallel.all_reduce_mean([total / n], info)[0]
@@ -134,7 +134,6 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = parallel.parallelize(model, cfg.dist, info)
     optimizer = build_optimizer(model, cfg, info.device)
-    loss_fn = parallel.loss_function(cfg.dist)
     peak, peak_source = peak_flops(info.device, cfg.log.peak_tflops)
     say(f"model {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOPs/token | world {info.world} "
         f"({info.backend}, {parallel.compute_dtype(cfg.dist, info.device)}) | global batch {t.global_batch} "
@@ -186,7 +185,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
         for i, (micro, positions, mask) in enumerate(micros):
             parallel.set_gradient_sync(model, i == len(micros) - 1)
             with parallel.autocast(cfg.dist, info):
-                loss = loss_fn(model(micro[:, :-1], positions), micro[:, 1:], mask) / len(micros)
+                loss = model(micro[:, :-1], positions, targets=micro[:, 1:], mask=mask) / len(micros)
             loss.backward()
             step_loss += loss.detach()
         timer.mark()  # forward + backward done

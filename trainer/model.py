@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.loss import linear_cross_entropy
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -147,8 +149,12 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (batch, seq) int64 -> logits (batch, seq, vocab) in float32.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (batch, seq) int64 -> logits (batch, seq, vocab) in float32; given `targets`
+        (batch, seq), the mean next-token loss instead, computed without materialising the logits
+        (`trainer.loss.linear_cross_entropy`; `mask` as in `cross_entropy`), as nanoGPT's model
+        returns its loss.
 
         positions: optional (batch, seq) int64 position ids for RoPE, e.g. restarting at 0 after each
         end-of-document token; None means 0..seq-1 in every row (the plain, slightly cheaper path)."""
@@ -165,7 +171,10 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rotation)
-        return self.output(self.norm(h)).float()
+        h = self.norm(h)
+        if targets is None:
+            return self.output(h).float()
+        return linear_cross_entropy(h, self.output.weight, targets, mask)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once

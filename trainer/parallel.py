@@ -11,7 +11,6 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.config import DistConfig
-from trainer.model import cross_entropy
 
 
 @dataclass(frozen=True)
@@ -145,13 +143,6 @@ def use_fused_adamw(cfg: DistConfig, device: torch.device) -> bool:
     pass over each parameter instead of one per operation: the optimizer step measured 17 -> 6 ms on
     the default model, 1 thread); foreach elsewhere."""
     return cfg.fused_adamw == "fused" or (cfg.fused_adamw == "auto" and device.type in ("cuda", "cpu"))
-
-
-def loss_function(cfg: DistConfig) -> Callable[..., torch.Tensor]:
-    """The training loss: `model.cross_entropy`, compiled with dist.compile (as torchtitan does): the
-    log-softmax over the vocabulary and its backward become single fused loops, without the zeroed
-    (tokens x vocab) gradient buffer of the eager kernel."""
-    return torch.compile(cross_entropy) if cfg.compile else cross_entropy
 
 
 class CommTimer:
