@@ -13,9 +13,11 @@
 
 Every trainer run is a fresh process (`python -m trainer`, or torchrun for 2 ranks) with eval and
 checkpoints pushed to the last window, which is left out with the first (warm-up, compile) one;
-tokens/s is the median over the remaining logging windows. MFU here is recomputed against the peak
-this script measured, best of several windows, at the same thread count, so a noisy start-up
-measurement inside a run does not move it. On a shared machine, compare numbers from one run.
+tokens/s is the median over the remaining logging windows. MFU here is recomputed against the
+matmul peak this script measures (best of several windows, same thread count) right before and
+right after each run, the higher of the two: on a VM the clock, and with it the peak, drifts by
+10-20% within minutes, so a peak measured once at the start can be far from the one the run saw.
+On a shared machine, compare numbers from one run.
 """
 
 from __future__ import annotations
@@ -127,11 +129,9 @@ def main() -> None:
 
     # 1. peaks
     print("\n## matmul peak (best of several windows)")
-    peaks: dict[int, float] = {}
     for threads in sorted({1, cores, args.threads or cores}):
-        peaks[threads] = cpu_peak(threads)
-        bf16 = cpu_peak(threads, torch.bfloat16, 0.6)
-        print(f"CPU {threads} thread(s): fp32 {peaks[threads] / 1e9:8,.1f} GFLOP/s | bf16 {bf16 / 1e9:8,.1f} GFLOP/s")
+        fp32, bf16 = cpu_peak(threads), cpu_peak(threads, torch.bfloat16, 0.6)
+        print(f"CPU {threads} thread(s): fp32 {fp32 / 1e9:8,.1f} GFLOP/s | bf16 {bf16 / 1e9:8,.1f} GFLOP/s")
     gpu_peak = 0.0
     if cuda:
         gpu_peak = gpu_matmul_peak()
@@ -143,17 +143,27 @@ def main() -> None:
     print("nominal dense bf16 peaks (MFU on a GPU is reported against these): "
           + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in GPU_PEAK_BF16.items()) + " TFLOP/s")
 
-    def mfu(tps: float, threads: int, ranks: int = 1) -> float:
-        """Against the measured fp32 CPU peak at that thread count, or on a GPU the measured bf16 peak."""
-        return flops_per_token * tps / ((gpu_peak or peaks[threads]) * ranks)
+    def peak_around(run, threads: int):
+        """run() with the peak measured right before and right after it (CPU; on a GPU the measured
+        bf16 peak): returns (run's result, the higher of the two peaks)."""
+        if gpu_peak:
+            return run(), gpu_peak
+        before = cpu_peak(threads)
+        result = run()
+        return result, max(before, cpu_peak(threads))
 
-    def peak_name(threads: int) -> str:
-        return "measured GPU bf16 peak" if gpu_peak else f"{threads}-thread fp32 peak"
+    def mfu(tps: float, peak: float, ranks: int = 1) -> float:
+        return flops_per_token * tps / (peak * ranks)
 
-    def line(label: str, r: dict, threads: int, ranks: int = 1, base: float | None = None) -> None:
+    def trainer_row(label: str, overrides: list[str], threads: int = 1, nproc: int = 1,
+                    base: float | None = None) -> dict:
+        r, peak = peak_around(lambda: run_trainer(config, overrides, steps, window, nproc=nproc, threads=threads),
+                              threads)
         rel = f" | x{r['tokens_per_s'] / base:.2f}" if base else ""
-        print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * mfu(r['tokens_per_s'], threads, ranks):5.1f}% "
-              f"(vs {peak_name(threads)}{' x ' + str(ranks) if ranks > 1 else ''}){rel}")
+        what = "GPU bf16 peak" if gpu_peak else f"{threads}-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s"
+        print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * mfu(r['tokens_per_s'], peak, nproc):5.1f}% "
+              f"(vs {what}{' x ' + str(nproc) if nproc > 1 else ''}){rel}")
+        return r
 
     # 2. trainer vs bare loop (in this process, same threads; the bare loop gets the same allocator settings)
     if "ratio" not in skip:
@@ -163,32 +173,35 @@ def main() -> None:
         host.tune_malloc()
         bench_step.WINDOW = window
         bare, ours = [], []
-        for r in range(rounds):
-            b = bench_step.bare_loop(cfg, steps * 2)
-            o = bench_step.trainer_loop(cfg, steps * 2)
-            print(f"round {r + 1}: bare {statistics.median(b):8,.0f} tok/s | "
-                  f"trainer {statistics.median(o):8,.0f} tok/s")
-            bare += b
-            ours += o
+
+        def rounds_of_both() -> None:
+            for r in range(rounds):
+                b = bench_step.bare_loop(cfg, steps * 2)
+                o = bench_step.trainer_loop(cfg, steps * 2)
+                print(f"round {r + 1}: bare {statistics.median(b):8,.0f} tok/s | "
+                      f"trainer {statistics.median(o):8,.0f} tok/s")
+                bare.extend(b)
+                ours.extend(o)
+
+        _, peak = peak_around(rounds_of_both, torch.get_num_threads())
         ratio = statistics.median(ours) / statistics.median(bare)
         print(f"ratio trainer/bare {ratio:.3f} (goal >= 0.95) | bare-loop MFU "
-              f"{100 * mfu(statistics.median(bare), torch.get_num_threads()):.1f}%")
+              f"{100 * mfu(statistics.median(bare), peak):.1f}%")
 
     # 3-4. MFU and ranks
-    print(f"\n## trainer runs ({steps} steps, median over windows of {window}; MFU vs the measured peak)")
-    base1 = run_trainer(config, args.overrides, steps, window, threads=1)
-    line("1 rank x 1 thread", base1, 1)
+    print(f"\n## trainer runs ({steps} steps, median over windows of {window}; MFU vs the peak measured around "
+          "each run)")
+    base1 = trainer_row("1 rank x 1 thread", args.overrides)
     results = {"1x1": base1}
     if cuda and torch.cuda.device_count() < 2:
         skip.add("ranks")  # one GPU: no second rank to compare with
     if cores > 1 and not cuda:
-        r = run_trainer(config, args.overrides, steps, window, threads=cores)
-        results["1xN"] = r
-        line(f"1 rank x {cores} threads", r, cores, base=base1["tokens_per_s"])
+        results["1xN"] = trainer_row(f"1 rank x {cores} threads", args.overrides, threads=cores,
+                                     base=base1["tokens_per_s"])
     if (cores > 1 or cuda) and "ranks" not in skip:
-        r2 = run_trainer(config, args.overrides, steps, window, nproc=2, threads=1)
+        r2 = trainer_row(f"2 ranks x 1 thread (FSDP2, {'nccl' if cuda else 'gloo'})", args.overrides, nproc=2,
+                         base=base1["tokens_per_s"])
         results["2x1"] = r2
-        line(f"2 ranks x 1 thread (FSDP2, {'nccl' if cuda else 'gloo'})", r2, 1, ranks=2, base=base1["tokens_per_s"])
         print(f"2-rank scaling efficiency {100 * r2['tokens_per_s'] / (2 * base1['tokens_per_s']):.0f}% "
               f"(tokens/s of 2 ranks / twice 1 rank)")
 
@@ -204,9 +217,7 @@ def main() -> None:
     if options:
         print("\n## speed options (1 rank x 1 thread; x = tokens/s relative to the plain run above)")
     for label, extra in options:
-        r = run_trainer(config, [*args.overrides, *extra], steps, window, threads=1)
-        results[label] = r
-        line(label, r, 1, base=base1["tokens_per_s"])
+        results[label] = trainer_row(label, [*args.overrides, *extra], base=base1["tokens_per_s"])
 
     # 6. breakdown
     print("\n## where the step time goes (median per step)")
