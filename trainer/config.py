@@ -93,7 +93,7 @@ class DistConfig:
     compile: bool = False  # torch.compile the model (per block under FSDP; inductor, needs a C compiler)
     activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
     fused_adamw: str = "auto"  # auto (fused kernel on GPU and CPU) | fused | foreach
-    tune_malloc: bool = True  # glibc keeps freed blocks (no page faults), heap on huge pages: ~10% on CPU
+    tune_malloc: bool = True  # glibc keeps freed blocks (no page faults), heap on huge pages
 
 
 @dataclass

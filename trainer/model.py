@@ -1,5 +1,6 @@
 """A Llama-style decoder-only transformer in plain PyTorch: RMSNorm, RoPE, SwiGLU, causal SDPA,
-optional grouped KV heads and tied embeddings. Nothing about parallelism lives here (see parallel.py)."""
+optional grouped KV heads and tied embeddings; given targets it returns its loss (the output layer
+fused with cross-entropy, `trainer/loss.py`). Nothing about parallelism lives here (see parallel.py)."""
 
 from __future__ import annotations
 
