@@ -114,7 +114,11 @@ def main() -> int:
 
     run_dir = out / "chaos"
     print(f"[chaos] chaos run with {args.kills} kills -> {run_dir}", flush=True)
-    proc = launcher(args.config, run_dir, args.nproc, args.overrides, out / "chaos.log")
+    chaos_overrides = args.overrides
+    if not any(o.startswith("fault.max_restarts=") for o in args.overrides):
+        # The run is here to recover from every kill, not to spend the default restart budget (10).
+        chaos_overrides = [*args.overrides, f"fault.max_restarts={args.kills + 5}"]
+    proc = launcher(args.config, run_dir, args.nproc, chaos_overrides, out / "chaos.log")
     names = args.signals
     plan: list[str] = []
     while len(plan) < args.kills:
@@ -134,7 +138,9 @@ def main() -> int:
         start = time.time()
         while proc.poll() is None and time.time() - start < wait:
             time.sleep(0.1)
-        beats = steady_beats(run_dir, min_steps=1)
+        beats = None  # a rank may be between steps (checkpoint, eval): wait until every rank is training
+        while proc.poll() is None and time.time() < deadline and not beats:
+            beats = steady_beats(run_dir, min_steps=1) or time.sleep(0.02)
         if proc.poll() is not None or not beats:
             print("[chaos] the run ended before all kills were made")
             break
