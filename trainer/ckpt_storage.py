@@ -56,7 +56,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 _CHUNK = 8 << 20
-_REMOTE_CHUNK = 32 << 20
+# Object stores: bytes per GET when verifying or loading a file. Each request costs a round trip (and
+# on moto's server a read of the whole object), so a shard file of up to this size is one GET; the
+# price is that much memory per rank while it is read.
+_REMOTE_CHUNK = 128 << 20
 # The storage format of tensor items written here: the tensor's bytes, row-major, nothing else. Its
 # dtype and shape are the chunk's in `.metadata`. A transform descriptor as far as DCP is concerned:
 # a stock DCP reader does not know it and raises instead of misreading the bytes.
@@ -97,8 +100,8 @@ def checksum_bytes(data: bytes, algorithm: str = CHECKSUM) -> str:
 
 
 def checksum_file(fs: fsspec.AbstractFileSystem, path: str, algorithm: str = CHECKSUM) -> str:
-    """Object stores: one request per 32 MB read, no read-ahead copy (on the loopback S3 server, 100 MB
-    verified in 0.42 s instead of 0.56 s with 8 MB reads through s3fs's read-ahead cache)."""
+    """Object stores: one request per `_REMOTE_CHUNK` bytes, no read-ahead copy (on the loopback S3
+    server a 105 MB file verified in 0.14 s in one GET, 0.29 s in 32 MB GETs, 0.63 s in 8 MB GETs)."""
     digest = new_digest(algorithm)
     size = _CHUNK if "file" in fs.protocol else _REMOTE_CHUNK
     with fs.open(path, "rb", block_size=size, cache_type="none") as f:
@@ -182,7 +185,7 @@ class _SafeReaderMixin:
         if legacy:
             super().read_data(dataclasses.replace(plan, items=legacy), planner).wait()
         for name, items in mine.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+            with self._open(name, items) as stream:
                 for item in items:
                     if item.type == LoadItemType.BYTE_IO:
                         info = self.storage_data[item.storage_index]
@@ -194,6 +197,17 @@ class _SafeReaderMixin:
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _open(self, name: str, items: list[ReadItem]) -> Any:
+        """A file to read `items` from. Remote: a read-ahead block that covers every item (up to
+        `_REMOTE_CHUNK`), so a shard file is fetched in one GET instead of one per s3fs block."""
+        path = self.fs.concat_path(self.path, name)
+        fs = getattr(self.fs, "fs", None)
+        if fs is None or "file" in fs.protocol:
+            return self.fs.create_stream(path, "rb")
+        extent = max(self.storage_data[i.storage_index].offset + self.storage_data[i.storage_index].length
+                     for i in items)
+        return fs.open(os.fspath(path), "rb", block_size=max(1, min(extent, _REMOTE_CHUNK)), cache_type="readahead")
 
     def _stored_chunk(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
         md = self._tensor_metadata.get(index.fqn)
