@@ -15,6 +15,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,80 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, capsys, name
     restored = trained(2)
     ckpt.load(expected, *restored)
     assert_same(first, restored)
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_damaged_shard_on_s3_falls_back_to_previous(s3_bucket, capsys, how):
+    import s3fs
+
+    root = f"{s3_bucket}/run/ck"
+    ckpt = Checkpointer(root, SOLO, keep=3)
+    first = trained(0)
+    ckpt.save(TrainState(step=1), *first)
+    ckpt.save(TrainState(step=2), *trained(1))
+    fs, shard = s3fs.S3FileSystem(), f"{step_dir(root, 2)}/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    if how == "flip":
+        data[len(data) // 2] ^= 0x10
+    fs.pipe_file(shard, bytes(data if how == "flip" else data[:-5]))
+    assert ckpt.discover_latest() == 1
+    assert "step 2 is unusable" in capsys.readouterr().out
+    restored = trained(2)
+    ckpt.load(1, *restored)
+    assert_same(first, restored)
+
+
+def spools() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob(f"rekindle-ckpt-{os.getpid()}-*")}
+
+
+def test_s3_load_reads_the_bytes_it_verified_and_cleans_up(s3_bucket):
+    """A remote shard is downloaded once, by verification, into a local spool; the load reads that
+    copy, so a change to the remote object after verification cannot reach the model. The spool
+    is gone after the load, and the next verification sees the changed object."""
+    import s3fs
+
+    root = f"{s3_bucket}/run/ck"
+    ckpt = Checkpointer(root, SOLO, keep=3)
+    first = trained(0)
+    ckpt.save(TrainState(step=1), *first)
+    saved = trained(1)
+    ckpt.save(TrainState(step=2), *saved)
+    before = spools()
+    assert ckpt.discover_latest() == 2
+    assert len(spools() - before) == 1
+    fs, shard = s3fs.S3FileSystem(), f"{step_dir(root, 2)}/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0x10
+    fs.pipe_file(shard, bytes(data))  # altered after verification
+    restored = trained(2)
+    ckpt.load(2, *restored)
+    assert_same(saved, restored)
+    assert spools() == before
+    assert ckpt.discover_latest() == 1
+    ckpt.close()
+    assert spools() == before
+
+
+def test_s3_checkpoint_loads_without_a_usable_temp_dir(s3_bucket, tmp_path, monkeypatch):
+    """No room for the local copies (here: no temp directory at all): verified and loaded remotely."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    ckpt = Checkpointer(f"{s3_bucket}/run/ck", SOLO)
+    saved = trained(0)
+    ckpt.save(TrainState(step=3), *saved)
+    assert ckpt.discover_latest() == 3
+    restored = trained(1)
+    ckpt.load(3, *restored)
+    assert_same(saved, restored)
+
+
+def test_each_rank_verifies_the_shard_file_it_will_load():
+    from trainer.checkpoint import _verifier
+
+    names = [".metadata", "COMMIT.json", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "train_state.json"]
+    assert [_verifier(n, i, 3) for i, n in enumerate(names)] == [0, 1, 0, 1, 2, 2]
+    assert [_verifier(n, i, 2) for i, n in enumerate(names)][2:5] == [0, 1, 0]  # 3 -> 2 ranks
+    assert {_verifier(n, i, 1) for i, n in enumerate(names)} == {0}
 
 
 def test_no_usable_checkpoint_starts_fresh_or_fails_when_required(cache_dir, tmp_path):

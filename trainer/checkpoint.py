@@ -12,8 +12,10 @@ Layout of one checkpoint:
 Protocol: every rank writes its shards (rank 0 also `.metadata`), hashing them as they are written;
 success is agreed collectively; only then rank 0 writes train_state.json and COMMIT.json. A step
 without a valid COMMIT.json is never loaded. On resume every rank verifies its share of the files of the newest
-committed step; any missing, truncated or corrupt file names itself in a warning and the previous
-commit is tried. Steps are deleted only after a newer one is committed.
+committed step (rank r the shard file of rank r, the one it loads at an unchanged world size); any
+missing, truncated or corrupt file names itself in a warning and the previous commit is tried. A
+remote file is downloaded once: verification copies it to a local spool directory while hashing
+it, and the load reads the copy. Steps are deleted only after a newer one is committed.
 
 Async saves (`async_=True, blocking=False`) return after a few milliseconds: a background thread
 copies the state into a reused CPU buffer, then writes it. Until the copy is done the tensors must
@@ -34,10 +36,13 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -161,10 +166,27 @@ def read_commit(path: str) -> dict:
     return commit
 
 
-def verify(path: str, rank: int = 0, world: int = 1) -> str:
+_SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _verifier(name: str, index: int, world: int) -> int:
+    """The rank that verifies file `name` (the index-th committed file): the shard file of rank r
+    goes to rank r (mod world), so on a resume at the same world size each rank verifies the file it
+    is about to load; the other files go round robin."""
+    m = _SHARD_FILE.match(name)
+    return (int(m.group(1)) if m else index) % world
+
+
+def verify(path: str, rank: int = 0, world: int = 1, spool: str | None = None) -> str:
     """Check share `rank` of `world` of the files committed at `path` (sizes, checksums; rank 0 also
-    parses `.metadata` safely). Returns a description of the first problem, or '' if none."""
+    parses `.metadata` safely). Returns a description of the first problem, or '' if none.
+
+    With `spool` (a local directory) and a remote checkpoint, each file of the share is downloaded
+    there once and checksummed on the way; the copies that verify stay there under their names, for
+    the load to read instead of downloading them again. Without room for the copy, a file is checked
+    remotely as without `spool`."""
     fs, p = storage.filesystem(path)
+    spool = spool if storage.is_remote(path) else None
     try:
         files = sorted(read_commit(path)["files"].items())
     except FileNotFoundError:
@@ -172,7 +194,7 @@ def verify(path: str, rank: int = 0, world: int = 1) -> str:
     except (ValueError, KeyError, AttributeError, TypeError) as e:
         return f"{path}/{COMMIT} is unreadable or corrupt ({type(e).__name__}: {e})"
     for i, (name, want) in enumerate(files):
-        if i % world != rank:
+        if _verifier(name, i, world) != rank:
             continue
         full = f"{p}/{name}"
         if not fs.exists(full):
@@ -183,7 +205,19 @@ def verify(path: str, rank: int = 0, world: int = 1) -> str:
         algorithm = next((a for a in storage.CHECKSUMS if a in want), None)
         if algorithm is None:
             return f"{path}/{COMMIT} has no checksum for {name}"
-        if storage.checksum_file(fs, full, algorithm) != want[algorithm]:
+        digest, local = None, os.path.join(spool, name) if spool else ""
+        if local:
+            try:
+                digest = storage.fetch_and_checksum(fs, full, local, algorithm)
+            except storage.SpoolError:
+                with contextlib.suppress(OSError):
+                    os.unlink(local)
+        if digest is None:
+            digest = storage.checksum_file(fs, full, algorithm)
+        if digest != want[algorithm]:
+            if local:
+                with contextlib.suppress(OSError):
+                    os.unlink(local)
             return f"{path}/{name} fails its checksum (corrupt)"
     if rank == 0:
         try:
@@ -193,17 +227,41 @@ def verify(path: str, rank: int = 0, world: int = 1) -> str:
     return ""
 
 
-def load_state(sd: dict, path: str, no_dist: bool = True) -> None:
+def load_state(sd: dict, path: str, no_dist: bool = True, local: dict[str, str] | None = None) -> None:
     """DCP-load the checkpoint at `path` into the tensors of `sd` (resharding as needed), unpickling
-    nothing but plain data. A refused item raises UnsafeCheckpointError, other failures CheckpointError."""
+    nothing but plain data; `local`: verified local copies of remote files (see `verify`). A refused
+    item raises UnsafeCheckpointError, other failures CheckpointError."""
     try:
         with _quiet_single_process():
-            dcp.load(sd, storage_reader=storage.reader(path), planner=storage.SafeLoadPlanner(), no_dist=no_dist)
+            dcp.load(sd, storage_reader=storage.reader(path, local), planner=storage.SafeLoadPlanner(),
+                     no_dist=no_dist)
     except CheckpointException_ as e:
         for cause in (f[0] if isinstance(f, tuple) else f for f in e.failures.values()):
             if isinstance(cause, storage.UnsafeCheckpointError):
                 raise storage.UnsafeCheckpointError(str(cause)) from None
         raise CheckpointError(f"loading {path} failed: {_describe(e, 0)}") from None
+
+
+_SPOOL_PREFIX = "rekindle-ckpt-"
+
+
+def _sweep_spools() -> None:
+    """Delete the spool directories of processes that no longer exist (a rank killed while verifying)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            pid = entry.name.removeprefix(_SPOOL_PREFIX).split("-", 1)[0]
+            if entry.name.startswith(_SPOOL_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: somebody else's process
+        return True
+    return True
 
 
 @dataclass
@@ -231,6 +289,7 @@ class Checkpointer:
         self._staged.set()
         self._hooks: dict[int, Any] = {}
         self.last_blocking_s = 0.0  # time the last save() held the caller, plus any wait for its copy
+        self._spool: tuple[int, str, weakref.finalize] | None = None  # (step, dir, remover): verified copies
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, model: nn.Module, optimizer, blocking: bool = True) -> str:
@@ -377,7 +436,23 @@ class Checkpointer:
         return sorted(steps)
 
     def _verify_share(self, step: int) -> str:
-        return verify(step_dir(self.root, step), self.info.rank, self.info.world)
+        """Verify this rank's share of `step`; for a remote checkpoint the verified files stay in a
+        local spool directory until `load` reads them (one download per file, and the bytes loaded
+        are the bytes verified)."""
+        self._drop_spool()
+        spool = None
+        if storage.is_remote(self.root):
+            _sweep_spools()
+            with contextlib.suppress(OSError):  # no temp directory: verify remotely, load remotely
+                spool = tempfile.mkdtemp(prefix=f"{_SPOOL_PREFIX}{os.getpid()}-")
+        if spool:  # removed by load(), the next verification, close(), or at exit at the latest
+            self._spool = (step, spool, weakref.finalize(self, shutil.rmtree, spool, True))
+        return verify(step_dir(self.root, step), self.info.rank, self.info.world, spool)
+
+    def _drop_spool(self) -> None:
+        if self._spool is not None:
+            self._spool[2]()
+            self._spool = None
 
     def discover_latest(self) -> int | None:
         """Newest committed step that verifies on every rank; the same answer on every rank."""
@@ -388,6 +463,7 @@ class Checkpointer:
                 return step
             if self.info.is_main:
                 print(f"[checkpoint] warning: step {step} is unusable, falling back: {problems[0]}", flush=True)
+        self._drop_spool()
         return None
 
     def load(self, step: int, model: nn.Module, optimizer) -> TrainState:
@@ -397,7 +473,13 @@ class Checkpointer:
         storage.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads anything
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
-        load_state(sd, path, self.info.world == 1)
+        local = {}
+        if self._spool is not None and self._spool[0] == step:
+            local = {name: os.path.join(self._spool[1], name) for name in os.listdir(self._spool[1])}
+        try:
+            load_state(sd, path, self.info.world == 1, local)
+        finally:
+            self._drop_spool()
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         state = TrainState(**json.loads(fs.cat_file(f"{p}/{TRAIN_STATE}")))
         if state.world == self.info.world and len(state.rng) == self.info.world:
@@ -448,6 +530,7 @@ class Checkpointer:
             dist.barrier()
 
     def close(self) -> None:
+        self._drop_spool()
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()

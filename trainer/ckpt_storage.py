@@ -110,6 +110,28 @@ def checksum_file(fs: fsspec.AbstractFileSystem, path: str, algorithm: str = CHE
     return digest.hexdigest()
 
 
+class SpoolError(OSError):
+    """The local copy of a remote file could not be written (disk full, no temp directory)."""
+
+
+def fetch_and_checksum(fs: fsspec.AbstractFileSystem, path: str, local: str, algorithm: str = CHECKSUM) -> str:
+    """Copy remote file `path` to local file `local` (one GET per `_REMOTE_CHUNK`) and return the
+    checksum of the bytes copied. A failure to write `local` raises SpoolError; remote errors pass."""
+    digest = new_digest(algorithm)
+    try:
+        dst = open(local, "wb")  # noqa: SIM115 - closed below; its errors must be told apart
+    except OSError as e:
+        raise SpoolError(f"cannot write {local}: {e}") from e
+    with dst, fs.open(path, "rb", block_size=_REMOTE_CHUNK, cache_type="none") as src:
+        while chunk := src.read(_REMOTE_CHUNK):
+            digest.update(chunk)
+            try:
+                dst.write(chunk)
+            except OSError as e:
+                raise SpoolError(f"cannot write {local}: {e}") from e
+    return digest.hexdigest()
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
     _ALLOWED = {
@@ -199,8 +221,11 @@ class _SafeReaderMixin:
         return fut
 
     def _open(self, name: str, items: list[ReadItem]) -> Any:
-        """A file to read `items` from. Remote: a read-ahead block that covers every item (up to
-        `_REMOTE_CHUNK`), so a shard file is fetched in one GET instead of one per s3fs block."""
+        """A file to read `items` from: the verified local copy when there is one (`local`). Remote:
+        a read-ahead block that covers every item (up to `_REMOTE_CHUNK`), so a shard file is fetched
+        in one GET instead of one per s3fs block."""
+        if name in getattr(self, "local", {}):
+            return open(self.local[name], "rb")  # noqa: SIM115 - the caller closes it
         path = self.fs.concat_path(self.path, name)
         fs = getattr(self.fs, "fs", None)
         if fs is None or "file" in fs.protocol:
@@ -421,5 +446,11 @@ def writer(url: str, fault: Fault | None = None) -> dcp.FileSystemWriter:
     return w
 
 
-def reader(url: str) -> dcp.FileSystemReader:
-    return SafeFsspecReader(url) if is_remote(url) else SafeFileSystemReader(url.removeprefix("file://"))
+def reader(url: str, local: dict[str, str] | None = None) -> dcp.FileSystemReader:
+    """A safe DCP reader of checkpoint `url`; `local` maps file names of a remote checkpoint to
+    verified local copies, read instead of the remote files."""
+    if not is_remote(url):
+        return SafeFileSystemReader(url.removeprefix("file://"))
+    r = SafeFsspecReader(url)
+    r.local = dict(local or {})
+    return r
