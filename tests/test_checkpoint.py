@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -256,7 +257,28 @@ def test_damaged_shard_on_s3_falls_back_to_previous(s3_bucket, capsys, how):
 
 
 def spools() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob(f"rekindle-ckpt-{os.getpid()}-*")}
+    from trainer.checkpoint import _spool_prefix
+
+    return {p.name for p in Path(tempfile.gettempdir()).glob(f"{_spool_prefix()}*")}
+
+
+def test_spools_of_dead_processes_are_swept_and_live_ones_kept(s3_bucket):
+    from trainer.checkpoint import _spool_prefix
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = Path(tempfile.mkdtemp(prefix=_spool_prefix(dead.pid)))
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    live = Path(tempfile.mkdtemp(prefix=_spool_prefix(os.getppid())))
+    try:
+        ckpt = Checkpointer(f"{s3_bucket}/run/ck", SOLO)
+        ckpt.save(TrainState(step=1), *trained(0))
+        assert ckpt.discover_latest() == 1
+        assert not stale.exists() and live.exists()
+        ckpt.close()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
 
 
 def test_s3_load_reads_the_bytes_it_verified_and_cleans_up(s3_bucket):

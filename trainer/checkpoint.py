@@ -245,12 +245,24 @@ def load_state(sd: dict, path: str, no_dist: bool = True, local: dict[str, str] 
 _SPOOL_PREFIX = "rekindle-ckpt-"
 
 
+def _spool_prefix(pid: int | None = None) -> str:
+    """`rekindle-ckpt-<pid namespace>-<pid>-`: a pid is only meaningful inside its pid namespace
+    (containers sharing one temp directory may each have a process 42)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{_SPOOL_PREFIX}{namespace}-{os.getpid() if pid is None else pid}-"
+
+
 def _sweep_spools() -> None:
-    """Delete the spool directories of processes that no longer exist (a rank killed while verifying)."""
+    """Delete the spool directories of this pid namespace's processes that no longer exist (a rank
+    killed while verifying)."""
+    mine = _spool_prefix(0).removesuffix("0-")
     with contextlib.suppress(OSError):
         for entry in os.scandir(tempfile.gettempdir()):
-            pid = entry.name.removeprefix(_SPOOL_PREFIX).split("-", 1)[0]
-            if entry.name.startswith(_SPOOL_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            pid = entry.name.removeprefix(mine).split("-", 1)[0]
+            if entry.name.startswith(mine) and pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
@@ -444,7 +456,7 @@ class Checkpointer:
         if storage.is_remote(self.root):
             _sweep_spools()
             with contextlib.suppress(OSError):  # no temp directory: verify remotely, load remotely
-                spool = tempfile.mkdtemp(prefix=f"{_SPOOL_PREFIX}{os.getpid()}-")
+                spool = tempfile.mkdtemp(prefix=_spool_prefix())
         if spool:  # removed by load(), the next verification, close(), or at exit at the latest
             self._spool = (step, spool, weakref.finalize(self, shutil.rmtree, spool, True))
         return verify(step_dir(self.root, step), self.info.rank, self.info.world, spool)
