@@ -205,10 +205,10 @@ def verify(path: str, rank: int = 0, world: int = 1, spool: str | None = None) -
         algorithm = next((a for a in storage.CHECKSUMS if a in want), None)
         if algorithm is None:
             return f"{path}/{COMMIT} has no checksum for {name}"
-        digest, local = None, os.path.join(spool, name) if spool else ""
+        digest, local = None, os.path.join(spool, name) if spool else None
         if local:
             try:
-                digest = storage.fetch_and_checksum(fs, full, local, algorithm)
+                digest = storage.checksum_file(fs, full, algorithm, copy_to=local)
             except storage.SpoolError:
                 with contextlib.suppress(OSError):
                     os.unlink(local)
