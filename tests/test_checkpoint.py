@@ -217,6 +217,17 @@ def corrupt(path: Path, how: str) -> None:
         path.unlink()
 
 
+def corrupt_on_s3(url: str, how: str) -> None:
+    """`corrupt` for an object on the loopback S3 server (flip or truncate)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    data = bytearray(fs.cat_file(url))
+    if how == "flip":
+        data[len(data) // 2] ^= 0x10
+    fs.pipe_file(url, bytes(data if how == "flip" else data[:-5]))
+
+
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "train_state.json", COMMIT])
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
 def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, capsys, name, how):
@@ -237,18 +248,12 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, capsys, name
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_damaged_shard_on_s3_falls_back_to_previous(s3_bucket, capsys, how):
-    import s3fs
-
     root = f"{s3_bucket}/run/ck"
     ckpt = Checkpointer(root, SOLO, keep=3)
     first = trained(0)
     ckpt.save(TrainState(step=1), *first)
     ckpt.save(TrainState(step=2), *trained(1))
-    fs, shard = s3fs.S3FileSystem(), f"{step_dir(root, 2)}/__0_0.distcp"
-    data = bytearray(fs.cat_file(shard))
-    if how == "flip":
-        data[len(data) // 2] ^= 0x10
-    fs.pipe_file(shard, bytes(data if how == "flip" else data[:-5]))
+    corrupt_on_s3(f"{step_dir(root, 2)}/__0_0.distcp", how)
     assert ckpt.discover_latest() == 1
     assert "step 2 is unusable" in capsys.readouterr().out
     restored = trained(2)
@@ -285,8 +290,6 @@ def test_s3_load_reads_the_bytes_it_verified_and_cleans_up(s3_bucket):
     """A remote shard is downloaded once, by verification, into a local spool; the load reads that
     copy, so a change to the remote object after verification cannot reach the model. The spool
     is gone after the load, and the next verification sees the changed object."""
-    import s3fs
-
     root = f"{s3_bucket}/run/ck"
     ckpt = Checkpointer(root, SOLO, keep=3)
     first = trained(0)
@@ -296,10 +299,7 @@ def test_s3_load_reads_the_bytes_it_verified_and_cleans_up(s3_bucket):
     before = spools()
     assert ckpt.discover_latest() == 2
     assert len(spools() - before) == 1
-    fs, shard = s3fs.S3FileSystem(), f"{step_dir(root, 2)}/__0_0.distcp"
-    data = bytearray(fs.cat_file(shard))
-    data[len(data) // 2] ^= 0x10
-    fs.pipe_file(shard, bytes(data))  # altered after verification
+    corrupt_on_s3(f"{step_dir(root, 2)}/__0_0.distcp", "flip")  # altered after verification
     restored = trained(2)
     ckpt.load(2, *restored)
     assert_same(saved, restored)

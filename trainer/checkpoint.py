@@ -245,24 +245,29 @@ def load_state(sd: dict, path: str, no_dist: bool = True, local: dict[str, str] 
 _SPOOL_PREFIX = "rekindle-ckpt-"
 
 
-def _spool_prefix(pid: int | None = None) -> str:
-    """`rekindle-ckpt-<pid namespace>-<pid>-`: a pid is only meaningful inside its pid namespace
+def _spool_namespace() -> str:
+    """`rekindle-ckpt-<pid namespace>-`: a pid is only meaningful inside its pid namespace
     (containers sharing one temp directory may each have a process 42)."""
     try:
         namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         namespace = 0
-    return f"{_SPOOL_PREFIX}{namespace}-{os.getpid() if pid is None else pid}-"
+    return f"{_SPOOL_PREFIX}{namespace}-"
+
+
+def _spool_prefix(pid: int | None = None) -> str:
+    """Name prefix of the spool directories of process `pid` (default: this one)."""
+    return f"{_spool_namespace()}{os.getpid() if pid is None else pid}-"
 
 
 def _sweep_spools() -> None:
     """Delete the spool directories of this pid namespace's processes that no longer exist (a rank
     killed while verifying)."""
-    mine = _spool_prefix(0).removesuffix("0-")
+    ours = _spool_namespace()
     with contextlib.suppress(OSError):
         for entry in os.scandir(tempfile.gettempdir()):
-            pid = entry.name.removeprefix(mine).split("-", 1)[0]
-            if entry.name.startswith(mine) and pid.isdigit() and not _alive(int(pid)):
+            pid = entry.name.removeprefix(ours).split("-", 1)[0]
+            if entry.name.startswith(ours) and pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
