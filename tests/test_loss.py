@@ -44,6 +44,24 @@ def test_equals_projection_then_cross_entropy(rows, masked):
         assert torch.count_nonzero(grads[0][tuple(dropped)]) == 0
 
 
+def test_a_target_probability_that_underflows_still_gives_the_exact_loss():
+    """One row's target sits 200 nats below the rest (its float32 probability is 0): the CPU path
+    recomputes that row's loss from the log-sum-exp instead of returning inf."""
+    hidden, weight, targets, _ = inputs(seed=3)
+    with torch.no_grad():
+        hidden[0, 5] = 0.0
+        hidden[0, 5, 0] = 1.0
+        weight[:, 0] = 0.0
+        weight[targets[0, 5], 0] = -200.0
+    loss = linear_cross_entropy(hidden, weight, targets, rows=64)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    want_loss, want_grads = reference(hidden, weight, targets)
+    assert torch.isfinite(loss) and want_loss > 200 / targets.numel()
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_upstream_gradient_scales_both_gradients_as_in_accumulation():
     hidden, weight, targets, mask = inputs(seed=1)
     (linear_cross_entropy(hidden, weight, targets, mask, rows=64) / 4).backward()

@@ -1,12 +1,22 @@
 """The model: causal, shapes right with grouped KV heads, tied embeddings, FLOP estimate, RoPE at
-given (per-document) positions, and a loss mask that drops exactly the masked targets."""
+given (per-document) positions, a loss mask that drops exactly the masked targets, and the blocked
+CPU attention path equal to SDPA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from trainer.model import ModelArgs, Transformer, apply_rope, cross_entropy, rope_tables
+from trainer.model import (
+    ModelArgs,
+    Transformer,
+    apply_rope,
+    blocked_causal_attention,
+    causal_bias,
+    cross_entropy,
+    rope_tables,
+)
 
 
 def tiny(**kw) -> Transformer:
@@ -129,3 +139,32 @@ def test_rope_scores_depend_only_on_relative_position():
     x = torch.randn(2, 3, 16, 8)
     compiled = torch.compile(apply_rope, backend="aot_eager")(x, rotation)  # traced: the real-arithmetic branch
     assert torch.allclose(compiled, apply_rope(x, rotation), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "block"), [(4, 4, 40, 16), (4, 2, 40, 16), (4, 1, 32, 32), (2, 1, 7, 32)]
+)
+def test_blocked_attention_equals_sdpa_with_its_gradients(heads, kv_heads, seq, block):
+    """Blocks that do and do not divide the sequence, one block, grouped and plain heads."""
+    g = torch.Generator().manual_seed(seq + heads + kv_heads)
+    q = torch.randn(3, heads, seq, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(3, kv_heads, seq, 8, generator=g, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(3, heads, seq, 8, generator=g)
+    got = blocked_causal_attention(q, k, v, causal_bias(seq, q.device), block=block)
+    got_grads = torch.autograd.grad(got, (q, k, v), upstream)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+    want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_attention_in_bf16_stays_close_to_sdpa():
+    """bf16 inputs (FSDP's bf16 parameters without autocast): the float32 softmax is cast back."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 8, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 40, 8, generator=g).bfloat16() for _ in range(2))
+    got = blocked_causal_attention(q, k, v, causal_bias(40, q.device), block=16)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
