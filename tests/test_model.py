@@ -150,7 +150,7 @@ def test_blocked_attention_equals_sdpa_with_its_gradients(heads, kv_heads, seq, 
     q = torch.randn(3, heads, seq, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(3, kv_heads, seq, 8, generator=g, requires_grad=True) for _ in range(2))
     upstream = torch.randn(3, heads, seq, 8, generator=g)
-    got = blocked_causal_attention(q, k, v, causal_bias(seq, q.device), block=block)
+    got = blocked_causal_attention(q, k, v, causal_bias(seq), block=block)
     got_grads = torch.autograd.grad(got, (q, k, v), upstream)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
     want_grads = torch.autograd.grad(want, (q, k, v), upstream)
@@ -164,7 +164,7 @@ def test_blocked_attention_in_bf16_stays_close_to_sdpa():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 40, 8, generator=g).bfloat16()
     k, v = (torch.randn(2, 2, 40, 8, generator=g).bfloat16() for _ in range(2))
-    got = blocked_causal_attention(q, k, v, causal_bias(40, q.device), block=16)
+    got = blocked_causal_attention(q, k, v, causal_bias(40), block=16)
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)

@@ -77,15 +77,15 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * torch.view_as_complex(rotation)).flatten(-2).type_as(x)
 
 
-# Under torch.compile on CPU, sequences up to this length use `blocked_causal_attention`; longer ones,
-# eager mode and GPUs use the fused SDPA kernel, which is the faster one there.
+# Under torch.compile on CPU, models of sequences up to this length use `blocked_causal_attention`;
+# longer ones, eager mode and GPUs use the fused SDPA kernel, which is the faster one there.
 BLOCKED_ATTENTION_MAX_SEQ = 256
 ATTENTION_BLOCK = 32  # query rows per block
 
 
-def causal_bias(seq_len: int, device: torch.device) -> torch.Tensor:
+def causal_bias(seq_len: int) -> torch.Tensor:
     """(seq_len, seq_len) additive attention mask: 0 on and below the diagonal, -inf above."""
-    return torch.full((seq_len, seq_len), float("-inf"), device=device).triu(1)
+    return torch.full((seq_len, seq_len), float("-inf")).triu(1)
 
 
 def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -126,14 +126,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """bias: the model's `attn_bias` table (None where sequences are too long for the blocked path)."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rotation), apply_rope(k, rotation)
-        if x.device.type == "cpu" and torch.compiler.is_compiling() and t <= BLOCKED_ATTENTION_MAX_SEQ:
-            out = blocked_causal_attention(q, k, v, causal_bias(t, x.device))  # faster there, see its docstring
+        if bias is not None and x.device.type == "cpu" and torch.compiler.is_compiling():
+            out = blocked_causal_attention(q, k, v, bias[:t, :t])  # faster there, see its docstring
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
@@ -160,8 +161,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rotation)
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rotation, bias)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -177,6 +178,10 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(args.head_dim, args.seq_len, args.rope_theta), persistent=False)
+        # The mask of blocked_causal_attention, as a table like `rope`: built inside the compiled graph
+        # instead, inductor recomputes it per element in the soft-max kernels (the step 1.02x slower).
+        short = args.seq_len <= BLOCKED_ATTENTION_MAX_SEQ
+        self.register_buffer("attn_bias", causal_bias(args.seq_len) if short else None, persistent=False)
         self.init_weights()
 
     @torch.no_grad()
@@ -212,7 +217,7 @@ class Transformer(nn.Module):
             rotation = self.rope[positions].unsqueeze(1)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, rotation)
+            h = layer(h, rotation, self.attn_bias)
         h = self.norm(h)
         if targets is None:
             return self.output(h).float()
