@@ -114,10 +114,11 @@ def _softmax_and_loss(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
                       index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax of `logits`, computed in place, and each row's loss -log p[target]).
 
-    One pass over the logits fewer than log_softmax followed by exp (the CPU step is memory-bound
-    here: the default config's compiled step 1.01-1.04x). A target probability under 1e-30 (loss above 69
-    nats, where the float32 probability loses precision or underflows to 0) has its row's loss
-    recomputed exactly from the log-sum-exp of freshly projected logits: rare, and only those rows."""
+    One pass over the logits fewer than log_softmax followed by exp: this part of the CPU step is
+    memory-bound (with blocked attention, the default config's compiled step 1.04-1.06x, see
+    docs/performance.md). A target probability under 1e-30 (a loss above 69 nats; float32 loses
+    precision further down and underflows to 0) has its row's loss recomputed exactly from the
+    log-sum-exp of freshly projected logits: rare, and only those rows."""
     target_logits = logits[index, targets]
     probs = torch.softmax(logits, dim=-1, out=logits)
     target_probs = probs[index, targets]
