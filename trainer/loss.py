@@ -117,9 +117,11 @@ def _softmax_and_loss(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     One pass over the logits fewer than log_softmax followed by exp: this part of the CPU step is
     memory-bound (with blocked attention, the default config's compiled step 1.04-1.06x, see
     docs/performance.md). A target probability under 1e-30 (a loss above 69 nats; float32 loses
-    precision further down and underflows to 0) has its row's loss recomputed exactly from the
-    log-sum-exp of freshly projected logits: rare, and only those rows."""
+    precision further down and underflows to 0) has its row's loss recomputed from the log-sum-exp
+    of freshly projected logits (exact to float32 rounding): rare, and only those rows."""
     target_logits = logits[index, targets]
+    # out= the input: ATen's row-wise soft-max reads each row before writing it; the loss tests
+    # compare loss and gradients with the plain cross_entropy, so a kernel that did not would fail them
     probs = torch.softmax(logits, dim=-1, out=logits)
     target_probs = probs[index, targets]
     row_loss = -target_probs.log()

@@ -1,6 +1,7 @@
-"""A Llama-style decoder-only transformer in plain PyTorch: RMSNorm, RoPE, SwiGLU, causal SDPA,
-optional grouped KV heads and tied embeddings; given targets it returns its loss (the output layer
-fused with cross-entropy, `trainer/loss.py`). Nothing about parallelism lives here (see parallel.py)."""
+"""A Llama-style decoder-only transformer in plain PyTorch: RMSNorm, RoPE, SwiGLU, causal attention
+(SDPA; when compiled on CPU, a blocked matmul form for short sequences), optional grouped KV heads
+and tied embeddings; given targets it returns its loss (the output layer fused with cross-entropy,
+`trainer/loss.py`). Nothing about parallelism lives here (see parallel.py)."""
 
 from __future__ import annotations
 
@@ -77,8 +78,10 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * torch.view_as_complex(rotation)).flatten(-2).type_as(x)
 
 
-# Under torch.compile on CPU, models of sequences up to this length use `blocked_causal_attention`;
-# longer ones, eager mode and GPUs use the fused SDPA kernel, which is the faster one there.
+# Under torch.compile on CPU, float32 models of sequences up to this length use
+# `blocked_causal_attention` (on full-length sequences: the block loop is unrolled per length, so
+# other lengths would each compile a graph); longer ones, eager mode, other dtypes and GPUs use the
+# fused SDPA kernel, which is the faster one there or where this one was not measured.
 BLOCKED_ATTENTION_MAX_SEQ = 256
 ATTENTION_BLOCK = 32  # query rows per block
 
@@ -112,9 +115,10 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         qi = q[:, :, start:stop].reshape(b * kv_heads, group * rows, d)
         ki = k[:, :, :stop].reshape(b * kv_heads, stop, d)
         vi = v[:, :, :stop].reshape(b * kv_heads, stop, d)
-        scores = (torch.bmm(qi, ki.transpose(1, 2)) * d**-0.5).view(b * kv_heads, group, rows, stop)
-        probs = torch.softmax(scores + bias[start:stop, :stop], dim=-1).to(q.dtype)  # float32 softmax, as SDPA
-        outs.append(torch.bmm(probs.view(b * kv_heads, group * rows, stop), vi).view(b, h, rows, d))
+        # scores and soft-max in float32 whatever the input dtype (a no-op for float32 inputs)
+        scores = torch.bmm(qi.float(), ki.float().transpose(1, 2)) * d**-0.5
+        probs = torch.softmax(scores.view(b * kv_heads, group, rows, stop) + bias[start:stop, :stop], dim=-1)
+        outs.append(torch.bmm(probs.view(b * kv_heads, group * rows, stop).to(v.dtype), vi).view(b, h, rows, d))
     return torch.cat(outs, dim=2)
 
 
@@ -134,8 +138,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rotation), apply_rope(k, rotation)
-        if bias is not None and x.device.type == "cpu" and torch.compiler.is_compiling():
-            out = blocked_causal_attention(q, k, v, bias[:t, :t])  # faster there, see its docstring
+        blocked = bias is not None and t == bias.shape[0] and q.dtype == torch.float32
+        if blocked and x.device.type == "cpu" and torch.compiler.is_compiling():
+            out = blocked_causal_attention(q, k, v, bias)  # faster there, see BLOCKED_ATTENTION_MAX_SEQ
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
