@@ -7,7 +7,10 @@
   4. 1 rank vs 2 ranks (real torchrun, gloo, 1 thread each) and 1 rank x 2 threads on the same cores;
   5. the effect of the speed options: compile, activation checkpointing (selective,
      full) and the malloc tuning (dist.tune_malloc), each against the plain run;
-  6. where the step time goes (data wait / forward+backward / optimizer / comm wait).
+  6. where the step time goes (data wait / forward+backward / optimizer / comm wait);
+  7. on CPU, the peer the MFU goal comes from: a nanoGPT-style GPT-2 loop (`scripts/bench_peer.py`)
+     at the sizes of the goal (4 layers x 256 and 6 x 384, batch 8, seq 256, vocab 8192), 1 thread,
+     MFU by its own FLOP count against the peak measured around it.
 
     python scripts/bench.py [--quick] [--config configs/default.yaml] [--skip compile,ranks,...] [key=value ...]
 
@@ -23,6 +26,7 @@ On a shared machine, compare numbers from one run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -109,7 +113,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (about 3-5 minutes on 2 cores)")
     ap.add_argument("--threads", type=int, default=0,
                     help="threads for the in-process trainer/bare comparison (default: all cores)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc,peer")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. model.n_layers=6")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -224,6 +229,22 @@ def main() -> None:
     for key, r in results.items():
         if "fwd_bwd_s" in r:
             print(f"{key:<34} {format_breakdown(r)}")
+
+    # 7. the peer of the CPU goal, in a fresh process with glibc's default malloc (as nanoGPT runs)
+    if not cuda and "peer" not in skip:
+        print("\n## peer: nanoGPT-style GPT-2 loop (scripts/bench_peer.py: eager fp32, batch 8, seq 256, vocab "
+              "8192, 1 thread; FIELD-NOTES: nanoGPT's loop 67% at 4 x 256 and 78% at 6 x 384 on the AVX2 machine)")
+        for layers, dim in ((4, 256), (6, 384)):
+            cmd = [sys.executable, str(REPO / "scripts" / "bench_peer.py"), f"--layers={layers}", f"--dim={dim}",
+                   f"--steps={steps // 2}"]
+            proc, peak = peak_around(functools.partial(subprocess.run, cmd, capture_output=True, text=True,
+                                                       timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1")), 1)
+            if proc.returncode != 0:
+                raise RuntimeError(f"peer benchmark failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"{f'{layers} layers x {dim}':<34} {r['tokens_per_s']:9,.0f} tok/s | MFU "
+                  f"{100 * r['flops_per_token'] * r['tokens_per_s'] / peak:5.1f}% "
+                  f"(vs 1-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s)")
 
 
 if __name__ == "__main__":
