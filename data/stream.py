@@ -35,12 +35,13 @@ class DataStateError(ValueError):
 
 
 def document_positions(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Position ids for (B, T) tokens: 0 at the start of each row and right after each EOS, else +1."""
+    """Position ids for (B, T) tokens: 0 at the start of each row and right after each EOS, else +1.
+    Computed on the tokens' device (evaluation passes batches already on the GPU)."""
     if tokens.dim() != 2:
         raise ValueError(f"expected a (batch, time) tensor; got shape {tuple(tokens.shape)}")
     b, t = tokens.shape
-    idx = torch.arange(t, dtype=torch.int64).expand(b, t)
-    starts = torch.zeros((b, t), dtype=torch.bool)
+    idx = torch.arange(t, dtype=torch.int64, device=tokens.device).expand(b, t)
+    starts = torch.zeros((b, t), dtype=torch.bool, device=tokens.device)
     starts[:, 0] = True
     starts[:, 1:] = tokens[:, :-1] == eos_id
     last_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values

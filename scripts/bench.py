@@ -47,7 +47,13 @@ import bench_step  # noqa: E402
 
 from trainer import config as config_  # noqa: E402
 from trainer import host  # noqa: E402
-from trainer.metrics import BREAKDOWN, GPU_PEAK_BF16, format_breakdown, measure_cpu_peak  # noqa: E402
+from trainer.metrics import (  # noqa: E402
+    BREAKDOWN,
+    GPU_PEAK_BF16,
+    format_breakdown,
+    measure_cpu_peak,
+    nominal_gpu_peak,
+)
 from trainer.model import ModelArgs, Transformer  # noqa: E402
 
 
@@ -141,7 +147,7 @@ def main() -> None:
     if cuda:
         gpu_peak = gpu_matmul_peak()
         name = torch.cuda.get_device_name(0)
-        nominal = next((v for k, v in GPU_PEAK_BF16.items() if k in name), 0.0)
+        nominal = nominal_gpu_peak(name)[1]
         print(f"GPU bf16 8192^3: {gpu_peak / 1e12:,.1f} TFLOP/s measured | nominal dense bf16 "
               f"{nominal / 1e12:,.0f} TFLOP/s ({100 * gpu_peak / nominal:.0f}% of nominal)" if nominal else
               f"GPU bf16 8192^3: {gpu_peak / 1e12:,.1f} TFLOP/s measured (no nominal peak known for {name})")

@@ -7,15 +7,18 @@
 #   CONFIG=configs/gpt2-124m.yaml STEPS=300 bash scripts/gpu_check.sh
 #
 # Python: $PYTHON (default python3) when it already has torch with CUDA (a GPU image), else
-# scripts/setup.sh makes .venv. Missing pure-Python dependencies (omegaconf, tokenizers, tqdm,
-# numpy, fsspec) are installed from ./wheels when that folder exists (an offline machine: fill it
-# on a connected one with `pip download omegaconf tokenizers tqdm numpy fsspec -d wheels`), else
-# from the package index.
+# scripts/setup.sh makes .venv. Missing dependencies (omegaconf, tokenizers, tqdm, numpy, fsspec,
+# xxhash) are installed from ./wheels when that folder exists, else from the package index. An
+# offline machine (our H200 image has no omegaconf): fill ./wheels on a connected one with
+# `bash scripts/fetch_wheels.sh 3.12` and carry it along.
+#
+# The summary line is printed from metrics.jsonl even when the run fails or hits the time limit;
+# the exit status is the trainer's (124: the limit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 CONFIG="${CONFIG:-configs/llama-1b.yaml}"
-STEPS="${STEPS:-200}"
+STEPS="${STEPS:-120}"
 if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
   echo "[gpu_check] $PY has no CUDA torch: setting up .venv"
   bash scripts/setup.sh
@@ -23,7 +26,8 @@ if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/de
 fi
 missing=$("$PY" - <<'PY'
 import importlib.util
-need = {"omegaconf": "omegaconf", "tokenizers": "tokenizers", "tqdm": "tqdm", "numpy": "numpy", "fsspec": "fsspec"}
+need = {"omegaconf": "omegaconf", "tokenizers": "tokenizers", "tqdm": "tqdm", "numpy": "numpy", "fsspec": "fsspec",
+        "xxhash": "xxhash"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PY
 )
@@ -58,12 +62,15 @@ rm -rf "$RUN_DIR"
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 # The config's global batch is per GPU here, so more GPUs mean proportionally more tokens per step.
 GLOBAL=$("$PY" -c "from trainer.config import load; print(load('$CONFIG').train.global_batch)")
-timeout 480 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" --rdzv-backend c10d \
+rc=0
+timeout --kill-after=30 480 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" --rdzv-backend c10d \
   --rdzv-endpoint "127.0.0.1:$PORT" -m trainer "$CONFIG" \
   run.dir="$RUN_DIR" dist.backend=nccl dist.mixed_precision=bf16 dist.compile=true dist.fused_adamw=fused \
   train.steps="$STEPS" train.warmup_steps=20 train.global_batch=$((GLOBAL * NGPU)) \
-  train.eval_every=0 train.eval_batches=2 train.log_every=20 checkpoint.every=0 checkpoint.resume=never \
-  log.progress=false "$@"
+  train.eval_every=0 train.eval_batches=2 train.log_every=10 checkpoint.every=0 checkpoint.resume=never \
+  log.progress=false "$@" || rc=$?
+[ "$rc" -eq 0 ] || echo "[gpu_check] the trainer exited with $rc (124: the 480 s limit)"
+[ -s "$RUN_DIR/metrics.jsonl" ] || { echo "[gpu_check] no metrics were written"; exit "$((rc ? rc : 1))"; }
 "$PY" - "$RUN_DIR" <<'PY'
 import json, statistics, sys
 records = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
@@ -76,3 +83,4 @@ print(f"gpu_check: final loss {records[-1]['loss']:.3f}, eval {records[-1].get('
       f"{statistics.median(r['optim_s'] for r in steady):.3f} + data {statistics.median(r['data_wait_s'] for r in steady):.3f}"
       f" | peak mem {records[-1]['mem_mb']:,.0f} MB")
 PY
+exit "$rc"

@@ -86,6 +86,14 @@ def test_position_ids_reset_after_eos():
     ]
 
 
+def test_position_ids_stay_on_the_tokens_device():
+    """Evaluation computes positions from a batch already on the GPU; the meta device stands in for it
+    here (a CPU index into a GPU model's RoPE table would make the compiled graph fall back)."""
+    tokens = torch.zeros((2, 8), dtype=torch.int64, device="meta")
+    positions = document_positions(tokens, eos_id=9)
+    assert positions.device == tokens.device and positions.shape == (2, 8)
+
+
 def test_stream_positions_and_loss_mask_follow_documents(local_dataset):  # noqa: F811
     s = make(local_dataset, batch=8)
     eos = local_dataset.manifest.eos_id

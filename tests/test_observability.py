@@ -15,6 +15,7 @@ from conftest import REPO, read_metrics, run_trainer
 
 from trainer.config import ConfigError, load
 from trainer.cost import cost_report
+from trainer.metrics import nominal_gpu_peak
 
 OVERRIDES = ["train.steps=8", "train.log_every=2", "train.eval_every=4", "checkpoint.every=0",
              "log.tensorboard=true", "profile.steps=[3,4]", "log.cost_per_device_hour=3.6"]
@@ -90,6 +91,14 @@ def test_profile_steps_are_validated():
     with pytest.raises(ConfigError, match="profile.steps"):
         load(REPO / "configs" / "smoke.yaml", ["profile.steps=[0,2]"])
     assert load(REPO / "configs" / "smoke.yaml", ["profile.steps=[2,2]"]).profile.steps == [2, 2]
+
+
+@pytest.mark.parametrize("name, key, tflops", [
+    ("NVIDIA H200", "H200", 989), ("NVIDIA H100 80GB HBM3", "H100", 989), ("NVIDIA H100 PCIe", "H100 PCIe", 756),
+    ("NVIDIA H100 NVL", "H100 NVL", 835), ("NVIDIA H200 NVL", "H200 NVL", 835), ("NVIDIA L4", "L4", 121),
+    ("NVIDIA L40S", "L40S", 362), ("NVIDIA A100-SXM4-80GB", "A100", 312), ("Tesla T4", "", 0)])
+def test_mfu_peak_of_known_gpus_by_device_name(name, key, tflops):
+    assert nominal_gpu_peak(name) == (key, tflops * 1e12)
 
 
 def test_cost_report_arithmetic():

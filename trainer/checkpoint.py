@@ -385,7 +385,7 @@ class Checkpointer:
             return
         done = self._pending.future.done()
         failed = done and self._pending.future.exception() is not None
-        flags = torch.tensor([int(failed), int(not done)])
+        flags = torch.tensor([int(failed), int(not done)], device=self.info.device)  # NCCL: a GPU tensor
         if self.info.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] or not flags[1]:

@@ -189,7 +189,8 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
             loss.backward()
             step_loss += loss.detach()
         timer.mark()  # forward + backward done
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+        # foreach=True: FSDP2's DTensor gradients would otherwise be clipped one parameter at a time
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"), foreach=True)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
 
         if math.isfinite(grad_norm):  # the norm is global: every rank takes the same branch

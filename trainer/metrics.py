@@ -12,8 +12,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-# Dense bf16 tensor-core peaks (FLOP/s) for GPUs we know; MFU is reported against these.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+# Dense bf16 tensor-core peaks (FLOP/s) for GPUs we know; MFU is reported against these. Matched as
+# substrings of the device name in this order, so the PCIe/NVL variants (lower clocks and power) come
+# before the SXM parts, and L40S before L4.
+GPU_PEAK_BF16 = {"H200 NVL": 835e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H200": 989e12, "H100": 989e12,
+                 "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def nominal_gpu_peak(name: str) -> tuple[str, float]:
+    """(table key, dense bf16 FLOP/s) for a device name such as 'NVIDIA H100 PCIe'; ('', 0.0) if unknown."""
+    return next(((key, peak) for key, peak in GPU_PEAK_BF16.items() if key in name), ("", 0.0))
 
 
 def measure_cpu_peak(seconds: float = 0.5, n: int = 1024, dtype: torch.dtype = torch.float32,
@@ -40,10 +48,8 @@ def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[fl
         return configured_tflops * 1e12, "configured"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16.items():
-            if key in name:
-                return peak, f"{key} bf16 dense"
-        return 0.0, f"unknown GPU {name!r}: set log.peak_tflops"
+        key, peak = nominal_gpu_peak(name)
+        return (peak, f"{key} bf16 dense") if peak else (0.0, f"unknown GPU {name!r}: set log.peak_tflops")
     return measure_cpu_peak(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
 
 
