@@ -206,13 +206,21 @@ def test_flipped_bit_in_raw_tensor_data_is_caught_before_use(tmp_path, capsys):
     assert_same(first, restored)
 
 
-def corrupt(path: Path, how: str) -> None:
+def corrupted(data: bytes, how: str) -> bytes:
+    """`data` with one bit flipped in the middle ("flip") or its last 5 bytes cut off ("truncate")."""
     if how == "flip":
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        path.write_bytes(bytes(data))
-    elif how == "truncate":
-        path.write_bytes(path.read_bytes()[:-5])
+        flipped = bytearray(data)
+        flipped[len(flipped) // 2] ^= 0x10
+        return bytes(flipped)
+    if how == "truncate":
+        return data[:-5]
+    raise ValueError(f"unknown corruption {how!r}")
+
+
+def corrupt(path: Path, how: str) -> None:
+    """Flip a bit in or truncate the local file (see `corrupted`); any other `how` deletes it."""
+    if how in ("flip", "truncate"):
+        path.write_bytes(corrupted(path.read_bytes(), how))
     else:
         path.unlink()
 
@@ -222,10 +230,7 @@ def corrupt_on_s3(url: str, how: str) -> None:
     import s3fs
 
     fs = s3fs.S3FileSystem()
-    data = bytearray(fs.cat_file(url))
-    if how == "flip":
-        data[len(data) // 2] ^= 0x10
-    fs.pipe_file(url, bytes(data if how == "flip" else data[:-5]))
+    fs.pipe_file(url, corrupted(fs.cat_file(url), how))
 
 
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "train_state.json", COMMIT])
