@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,32 +50,17 @@ from trainer.metrics import (  # noqa: E402
     BREAKDOWN,
     GPU_PEAK_BF16,
     format_breakdown,
-    measure_cpu_peak,
+    measure_matmul_peak,
     nominal_gpu_peak,
 )
 from trainer.model import ModelArgs, Transformer  # noqa: E402
-
-
-def gpu_matmul_peak(n: int = 8192, dtype: torch.dtype = torch.bfloat16, seconds: float = 1.0) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(10):
-            a @ b
-        reps += 10
-        torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
 def cpu_peak(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return max(measure_cpu_peak(seconds / 2, n, dtype) for n in (1024, 2048))
+        return max(measure_matmul_peak(seconds / 2, n, dtype) for n in (1024, 2048))
     finally:
         torch.set_num_threads(before)
 
@@ -145,7 +129,7 @@ def main() -> None:
         print(f"CPU {threads} thread(s): fp32 {fp32 / 1e9:8,.1f} GFLOP/s | bf16 {bf16 / 1e9:8,.1f} GFLOP/s")
     gpu_peak = 0.0
     if cuda:
-        gpu_peak = gpu_matmul_peak()
+        gpu_peak = measure_matmul_peak(1.0, 8192, torch.bfloat16, device="cuda")
         name = torch.cuda.get_device_name(0)
         nominal = nominal_gpu_peak(name)[1]
         print(f"GPU bf16 8192^3: {gpu_peak / 1e12:,.1f} TFLOP/s measured | nominal dense bf16 "

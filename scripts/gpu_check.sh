@@ -42,18 +42,10 @@ if [ -n "$missing" ]; then
 fi
 NGPU="${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}"
 "$PY" - <<'PY'
-import datetime, time, torch
+import datetime, torch
+from trainer.metrics import measure_matmul_peak
 name = torch.cuda.get_device_name(0)
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-for _ in range(3):
-    a @ b
-torch.cuda.synchronize()
-start, reps = time.perf_counter(), 50
-for _ in range(reps):
-    a @ b
-torch.cuda.synchronize()
-peak = 2 * 8192**3 * reps / (time.perf_counter() - start)
+peak = measure_matmul_peak(1.0, 8192, torch.bfloat16, device="cuda")
 print(f"gpu_check: {datetime.date.today()} | {name} | torch {torch.__version__} | CUDA {torch.version.cuda} | "
       f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))} | measured bf16 matmul {peak / 1e12:.0f} TFLOP/s")
 PY

@@ -8,14 +8,16 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, read_metrics, run_trainer
 
 from trainer.config import ConfigError, load
 from trainer.cost import cost_report
-from trainer.metrics import nominal_gpu_peak
+from trainer.metrics import measure_matmul_peak, nominal_gpu_peak
 
 OVERRIDES = ["train.steps=8", "train.log_every=2", "train.eval_every=4", "checkpoint.every=0",
              "log.tensorboard=true", "profile.steps=[3,4]", "log.cost_per_device_hour=3.6"]
@@ -99,6 +101,21 @@ def test_profile_steps_are_validated():
     ("NVIDIA L40S", "L40S", 362), ("NVIDIA A100-SXM4-80GB", "A100", 312), ("Tesla T4", "", 0)])
 def test_mfu_peak_of_known_gpus_by_device_name(name, key, tflops):
     assert nominal_gpu_peak(name) == (key, tflops * 1e12)
+
+
+def test_measured_matmul_peak_counts_the_flops_of_the_products_it_times():
+    """The peak MFU is measured against: 2 n^3 FLOPs per n x n product, on the device asked for.
+    Checked against a plain timing of the same products (a factor-3 band: the machine is shared)."""
+    n, reps = 256, 200
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    plain = 2 * n**3 * reps / (time.perf_counter() - start)
+    peak = measure_matmul_peak(seconds=0.2, n=n, windows=4, device="cpu")
+    assert plain / 3 < peak < plain * 3
+    assert measure_matmul_peak(seconds=0.02, n=64, dtype=torch.bfloat16, windows=1) > 0
 
 
 def test_cost_report_arithmetic():

@@ -24,20 +24,36 @@ def nominal_gpu_peak(name: str) -> tuple[str, float]:
     return next(((key, peak) for key, peak in GPU_PEAK_BF16.items() if key in name), ("", 0.0))
 
 
-def measure_cpu_peak(seconds: float = 0.5, n: int = 1024, dtype: torch.dtype = torch.float32,
-                     windows: int = 5) -> float:
-    """Matmul FLOP/s of this process with its current thread count (the practical CPU ceiling).
+def measure_matmul_peak(seconds: float = 0.5, n: int = 1024, dtype: torch.dtype = torch.float32,
+                        windows: int = 5, device: torch.device | str = "cpu") -> float:
+    """Matmul FLOP/s of an n x n x n product on `device` (on a CPU with this process's current thread
+    count): the practical ceiling that MFU is measured against (`scripts/bench.py`, and
+    `scripts/gpu_check.sh` in bf16 on a GPU).
 
     The best of `windows` short windows: on a shared machine a neighbour's burst only ever slows a
-    window down, so the fastest one is the closest to what the hardware does."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm up
+    window down, so the fastest one is the closest to what the hardware does. On a GPU each window
+    times whole batches of 10 products, synchronised, so the time is that of finished work."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    batch = 10 if cuda else 1
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):  # warm up (library initialisation, kernel selection, clocks)
+        a @ b
+    sync()
     best = 0.0
     for _ in range(windows):
         reps, start = 0, time.perf_counter()
         while reps == 0 or time.perf_counter() - start < seconds / windows:
-            a @ b
-            reps += 1
+            for _ in range(batch):
+                a @ b
+            sync()
+            reps += batch
         best = max(best, 2 * n**3 * reps / (time.perf_counter() - start))
     return best
 
@@ -50,7 +66,7 @@ def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[fl
         name = torch.cuda.get_device_name(device)
         key, peak = nominal_gpu_peak(name)
         return (peak, f"{key} bf16 dense") if peak else (0.0, f"unknown GPU {name!r}: set log.peak_tflops")
-    return measure_cpu_peak(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
+    return measure_matmul_peak(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
 
 
 def memory_mb(device: torch.device) -> float:
