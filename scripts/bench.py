@@ -10,7 +10,8 @@
   6. where the step time goes (data wait / forward+backward / optimizer / comm wait);
   7. on CPU, the peer the MFU goal comes from: a nanoGPT-style GPT-2 loop (`scripts/bench_peer.py`)
      at the sizes of the goal (4 layers x 256 and 6 x 384, batch 8, seq 256, vocab 8192), 1 thread,
-     MFU by its own FLOP count against the peak measured around it.
+     MFU by its own FLOP count against the peak measured around it;
+  8. the goals, each met or not in this run.
 
     python scripts/bench.py [--quick] [--config configs/default.yaml] [--skip compile,ranks,...] [key=value ...]
 
@@ -154,6 +155,8 @@ def main() -> None:
                     base: float | None = None) -> dict:
         r, peak = peak_around(lambda: run_trainer(config, overrides, steps, window, nproc=nproc, threads=threads),
                               threads)
+        r["bench_mfu"] = mfu(r["tokens_per_s"], peak, nproc)
+        r["bench_peak"] = peak
         rel = f" | x{r['tokens_per_s'] / base:.2f}" if base else ""
         what = "GPU bf16 peak" if gpu_peak else f"{threads}-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s"
         print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * mfu(r['tokens_per_s'], peak, nproc):5.1f}% "
@@ -161,6 +164,7 @@ def main() -> None:
         return r
 
     # 2. trainer vs bare loop (in this process, same threads; the bare loop gets the same allocator settings)
+    ratio, peers = None, {}
     if "ratio" not in skip:
         torch.set_num_threads(args.threads or cores)
         print(f"\n## trainer vs bare PyTorch loop (1 process, {torch.get_num_threads()} thread(s), "
@@ -232,9 +236,36 @@ def main() -> None:
             if proc.returncode != 0:
                 raise RuntimeError(f"peer benchmark failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
+            peers[(layers, dim)] = r["flops_per_token"] * r["tokens_per_s"] / peak
             print(f"{f'{layers} layers x {dim}':<34} {r['tokens_per_s']:9,.0f} tok/s | MFU "
                   f"{100 * r['flops_per_token'] * r['tokens_per_s'] / peak:5.1f}% "
                   f"(vs 1-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s)")
+
+    print_goals(args.config, ratio, results, peers, cuda)
+
+
+def print_goals(config: str, ratio: float | None, results: dict, peers: dict, cuda: bool) -> None:
+    """The issue's goals against this run's numbers, one line each (a part that was skipped is left out)."""
+    print("\n## goals")
+    if ratio is not None:
+        print(f"trainer/bare tokens/s {ratio:.3f} (goal >= 0.95): {'met' if ratio >= 0.95 else 'NOT met'}")
+    if cuda:
+        print("GPU MFU goal (>= 45%, configs/llama-1b.yaml, bf16 + compile): run scripts/gpu_check.sh")
+        return
+    runs = [(label, results[key]) for label, key in (("compiled", "dist.compile=true"), ("eager", "1x1"))
+            if key in results]
+    if not runs:
+        return
+    best = max(r["bench_mfu"] for _, r in runs)
+    line = ", ".join(f"{100 * r['bench_mfu']:.1f}% {label} (peak {r['bench_peak'] / 1e9:,.0f} GFLOP/s)"
+                     for label, r in runs)
+    scope = "" if Path(config).name == "default.yaml" else f" [the goal is set for configs/default.yaml, not {config}]"
+    print(f"CPU MFU, 1 rank x 1 thread: {line}; goal >= 70%: {'met' if best >= 0.70 else 'NOT met'} at this "
+          f"clock{scope}")
+    if (4, 256) in peers:
+        print(f"the goal's peer, a nanoGPT-style loop at 4 x 256: {100 * peers[(4, 256)]:.1f}% here "
+              f"(67% on the AVX2 machine the goal was set on); rekindle's best: "
+              f"{100 * (best - peers[(4, 256)]):+.1f} points against it")
 
 
 if __name__ == "__main__":
