@@ -207,6 +207,7 @@ class TokenStream:
             "seq_len": self.seq_len,
             "order": f"{ORDER}/{self.shuffle_window}",
             "manifest_sha256": self.shards.manifest.sha256(),
+            "n_train": self.n_train,  # set by data.val_fraction: the epoch length and the held-out samples
             "epoch": self.epoch,
         }
 
@@ -218,6 +219,12 @@ class TokenStream:
                     f"saved data state has {key}={state.get(key)!r}, this run has {expected[key]!r}: "
                     "the dataset or its order changed since the checkpoint"
                 )
+        if "n_train" in state and state["n_train"] != self.n_train:  # (states saved before it was recorded: unchecked)
+            raise DataStateError(
+                f"saved data state has {state['n_train']} training samples, this run {self.n_train}: "
+                "data.val_fraction changed since the checkpoint (the sample order would change, and samples "
+                "already trained on would be held out for evaluation)"
+            )
         consumed = int(state["samples_consumed"])
         if consumed % self.global_batch:
             raise DataStateError(

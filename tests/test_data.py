@@ -59,8 +59,9 @@ def epoch_order(s: TokenStream, epoch: int) -> np.ndarray:
     return s.sample_indices(epoch * s.n_train, s.n_train)
 
 
-def stream(dataset, rank=0, world=1, seed=5, batch=8, seq=16):
-    return TokenStream(dataset, seq_len=seq, global_batch=batch, seed=seed, rank=rank, world=world, val_fraction=0.05)
+def stream(dataset, rank=0, world=1, seed=5, batch=8, seq=16, val_fraction=0.05):
+    return TokenStream(dataset, seq_len=seq, global_batch=batch, seed=seed, rank=rank, world=world,
+                       val_fraction=val_fraction)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -125,6 +126,21 @@ def test_state_from_other_dataset_or_order_is_refused(dataset):
         stream(dataset, seed=99).load_state_dict(state)
     with pytest.raises(DataStateError, match="manifest_sha256"):
         stream(dataset).load_state_dict({**state, "manifest_sha256": "0" * 64})
+    # another held-out share: another epoch length and order, and trained samples would be evaluated on
+    with pytest.raises(DataStateError, match="val_fraction"):
+        stream(dataset, val_fraction=0.2).load_state_dict(state)
+    legacy = {k: v for k, v in state.items() if k != "n_train"}  # saved before n_train was recorded
+    stream(dataset).load_state_dict(legacy)
+
+
+def test_builtin_corpus_finds_the_stdlib_under_a_directory_named_like_tests(tmp_path):
+    from data.corpus import source_files
+
+    lib = tmp_path / "tester" / "lib" / "python3"
+    for rel in ("json/decoder.py", "os.py", "test/test_os.py", "idlelib/idle_test/t.py", "site-packages/x/y.py"):
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text("x = 1\n")
+    assert sorted(p.relative_to(lib).as_posix() for p in source_files(10**6, lib)) == ["json/decoder.py", "os.py"]
 
 
 def corrupt_copy(dataset, tmp_path, how: str):

@@ -56,6 +56,19 @@ def test_loss_goes_down_on_the_smoke_config(cache_dir, tmp_path):
     assert metrics[60]["eval_loss"] < 6.0
 
 
+@pytest.mark.parametrize("no_eval", ["data.val_fraction=0", "train.eval_batches=0"])
+def test_run_without_evaluation_completes_and_commits_its_last_step(cache_dir, tmp_path, no_eval):
+    proc = run_trainer(tmp_path, ["train.steps=4", "train.log_every=1", "train.eval_every=2", "checkpoint.every=2",
+                                  no_eval])
+    assert "no evaluation" in proc.stdout
+    assert not any("eval_loss" in r for r in read_metrics(tmp_path).values())
+    assert (tmp_path / "checkpoints" / "step-00000004" / "COMMIT.json").exists()
+    if no_eval.startswith("data."):  # resuming with another held-out share: refused in one clear line
+        again = run_trainer(tmp_path, ["train.steps=6", "checkpoint.every=2"], check=False)
+        assert again.returncode == 1 and "Traceback" not in again.stderr
+        assert "error: saved data state has" in again.stderr and "data.val_fraction changed" in again.stderr
+
+
 def test_killed_run_resumes_from_last_checkpoint_bit_identical(cache_dir, tmp_path):
     """SIGKILL the trainer right after its first checkpoint commits; a second start resumes from it
     and produces exactly the losses of an uninterrupted run."""

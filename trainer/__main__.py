@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     from data.shards import ShardError
+    from data.stream import DataStateError
     from trainer.checkpoint import CheckpointError
     from trainer.fault import EXIT_PREEMPTED, Preempted
     from trainer.loop import NonFiniteError, train
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"[rekindle] {e}", file=sys.stderr)
         return EXIT_PREEMPTED
-    except (ConfigError, ShardError, CheckpointError, NonFiniteError) as e:
+    except (ConfigError, ShardError, DataStateError, CheckpointError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         ErrorHandler().record_exception(e)  # the launcher's ledger names the cause (no-op without torchrun)
         return 2 if isinstance(e, ConfigError) else 1

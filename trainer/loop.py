@@ -127,6 +127,10 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
     entropy = shards.manifest.stats.get("unigram_entropy_nats", float("nan"))
     say(f"data {shards.root}: {len(shards):,} tokens, {stream.n_train:,} train / {stream.n_val:,} held-out "
         f"samples, unigram entropy {entropy:.3f} nats")
+    evaluating = t.eval_batches > 0 and stream.n_val > 0
+    if not evaluating:
+        say("no evaluation: " + ("data.val_fraction=0 holds out no samples" if stream.n_val == 0
+                                 else "train.eval_batches=0"))
 
     # --- model (same seed on every rank: identical full weights before sharding)
     torch.manual_seed(cfg.run.seed)
@@ -219,7 +223,8 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
         metrics.step(step)
 
         is_last = step == t.steps
-        if (t.eval_every and step % t.eval_every == 0) or is_last:
+        evaluated = evaluating and ((t.eval_every and step % t.eval_every == 0) or is_last)
+        if evaluated:
             heartbeat.beat("eval")
             eval_loss = evaluate(model, stream, cfg, info, micro_batch)
         if step % t.log_every == 0 or is_last or (t.eval_every and step % t.eval_every == 0):
@@ -239,7 +244,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
             }
             # other: eval, checkpoint, logging and Python between the measured phases
             record["other_s"] = max(record["step_time_s"] - sum(record.get(k) or 0.0 for k in BREAKDOWN[:-1]), 0.0)
-            if (t.eval_every and step % t.eval_every == 0) or is_last:
+            if evaluated:
                 record["eval_loss"] = eval_loss
             metrics.log(record)
             loss_sum, window_steps, data_wait, window_start = 0.0, 0, 0.0, time.perf_counter()
@@ -290,8 +295,9 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
     breakdown["other_s"] = max(breakdown["step_time_s"] - sum(v for k, v in breakdown.items() if k != "step_time_s"),
                                0.0)
     summary["breakdown"] = breakdown
-    say(f"done: {steps_done} steps in {wall:.1f}s ({summary['tokens_per_s']:,.0f} tok/s) | final eval loss "
-        f"{eval_loss:.3f} nats vs unigram entropy {entropy:.3f} nats")
+    say(f"done: {steps_done} steps in {wall:.1f}s ({summary['tokens_per_s']:,.0f} tok/s) | "
+        + (f"final eval loss {eval_loss:.3f} nats vs unigram entropy {entropy:.3f} nats" if evaluating
+           else "no evaluation"))
     say(f"time per step: {format_breakdown(breakdown)}")
     if cfg.log.cost_per_device_hour:
         summary["cost"] = cost_report(info.world, wall, tokens_per_step * steps_done, 0.0, cfg.log.cost_per_device_hour)
