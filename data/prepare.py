@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import tokenizer as tokenizers_
-from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
+from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter, store_unreachable
 
 MAX_SKIPPED_LISTED = 100  # the manifest lists this many skipped items; `skipped_bad` counts them all
 
@@ -145,6 +145,9 @@ class ChunkEncoder:
 
     def __init__(self, tokenizer_json: str, dtype: str) -> None:
         self.tok = tokenizers_.from_bytes(tokenizer_json.encode())
+        # A document that contains the EOS text itself (code and web text can) is encoded as plain text:
+        # the only EOS tokens in the stream are the document boundaries this encoder inserts.
+        self.tok.encode_special_tokens = True
         self.eos, self.dtype = tokenizers_.eos_id(self.tok), np.dtype(dtype)
 
     def __call__(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -303,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
                            workers=args.workers, stats={"lineage": lineage}, bad=bad)
     except (InputError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not store_unreachable(e):
+            raise
+        print(f"error: object storage unusable: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     skipped = f", skipped {bad.count} bad file(s)/line(s)" if bad.count else ""
     print(

@@ -36,6 +36,18 @@ def test_output_is_identical_for_any_number_of_processes(tmp_path, tok):
     assert two.stats["documents"] == len(TEXTS) and two.stats["duplicates_dropped"] == 2 * len(TEXTS)
 
 
+def test_eos_text_inside_a_document_is_not_a_document_boundary(tmp_path, tok):
+    """A document may contain the EOS token's text (code that prints it, web text): the stream must
+    still hold exactly one EOS per document, at its end."""
+    docs = [f"print('{tokenizers_.EOS}')  # a document that mentions the marker", *TEXTS[:3]]
+    manifest = prepare(docs, str(tmp_path / "ds"), tok, shard_tokens=100_000, progress=False)
+    tokens = ShardSet(str(tmp_path / "ds")).read(0, manifest.total_tokens)
+    eos = tokenizers_.eos_id(tok)
+    assert int((tokens == eos).sum()) == len(docs)
+    first_doc_end = int((tokens == eos).nonzero()[0][0])
+    assert tok.decode(tokens[:first_doc_end].tolist(), skip_special_tokens=False) == docs[0]
+
+
 def write_inputs(d):
     d.mkdir()
     (d / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:60] + TEXTS[:3]))
