@@ -23,13 +23,18 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("REKINDLE_CACHE") or Path.home() / ".cache" / "rekindle")
 
 
-def source_files(max_bytes: int) -> list[Path]:
-    """Stdlib .py files (tests and site-packages excluded) in a fixed shuffled order, up to max_bytes."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and not any(part.startswith(("test", "idle_test")) for part in p.parts)
-    )
+def source_files(max_bytes: int, root: Path | None = None) -> list[Path]:
+    """Stdlib .py files (tests and site-packages excluded) in a fixed shuffled order, up to max_bytes.
+
+    root: the standard library's directory (default: this interpreter's); only the path below it is
+    looked at for the exclusions (Python may live under e.g. /home/tester)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+
+    def excluded(p: Path) -> bool:
+        parts = p.relative_to(root).parts
+        return "site-packages" in parts or any(part.startswith(("test", "idle_test")) for part in parts)
+
+    files = sorted(p for p in root.rglob("*.py") if not excluded(p))
     random.Random(0).shuffle(files)  # mix packages so the held-out tail resembles the rest
     chosen, total = [], 0
     for p in files:

@@ -8,7 +8,8 @@ Workers may prefetch ahead, but the state only counts batches the caller has rec
 `state_dict()` after k batches equals the stream's state after k calls of `next_batch()`, and a
 resume neither skips nor repeats a sample.
 
-How workers start: local shards fork (fast, and nothing but memory-mapped files is used in the worker).
+How workers start: local shards fork (fast, and nothing but memory-mapped files is used in the worker), and
+so do memory:// ones (only a fork has a copy of this process's in-memory files).
 Remote shards use a fork server instead: s3fs/aiobotocore keep an event-loop thread, sockets and locks
 that a fork would copy in whatever state they are in (a lock held by another thread at that moment stays
 locked forever in the child). The fork server is a clean process started once, with data.loader and
@@ -39,8 +40,11 @@ MESSAGE_TOKENS = 1 << 16  # a worker sends batches in groups of at least this ma
 
 
 def default_start_method(stream: TokenStream) -> str:
-    """fork for local shards; forkserver for remote ones (fsspec clients are not fork-safe)."""
-    return "fork" if is_local(stream.shards.fs) else "forkserver"
+    """fork for local shards and for memory:// (which lives in this process: only a fork's copy has the
+    files); forkserver for remote ones (fsspec clients are not fork-safe)."""
+    fs = stream.shards.fs
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "fork" if is_local(fs) or "memory" in protocols else "forkserver"
 
 
 def _context(method: str, stream: TokenStream) -> multiprocessing.context.BaseContext:

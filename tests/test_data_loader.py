@@ -77,6 +77,17 @@ def test_workers_read_s3_shards(local_dataset, s3_bucket):  # noqa: F811
         BatchLoader(make(remote), num_workers=2, start_method="threads")
 
 
+def test_workers_read_in_memory_shards(local_dataset):  # noqa: F811
+    """memory:// lives in this process: workers must be forks of it to see the files."""
+    url = upload(local_dataset, f"memory://loader-test-{id(local_dataset)}/ds")
+    ref = make(local_dataset)
+    expected = [ref.next_batch().numpy() for _ in range(5)]
+    with BatchLoader(make(ShardSet(url)), num_workers=2, timeout_s=60) as loader:
+        assert loader.start_method == "fork"
+        got = take(loader, 5)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_position_ids_reset_after_eos():
     eos = 9
     tokens = torch.tensor([[1, 2, eos, 3, 4, 5, eos, eos, 6], [eos, 1, 2, 3, 4, 5, 6, 7, 8]])
