@@ -85,6 +85,20 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in protocols
 
 
+# Packages whose exceptions mean "the object store could not be used" (connection refused or timed
+# out, bad credentials, a throttled or broken endpoint); a missing file is FileNotFoundError instead.
+STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure")
+
+
+def store_unreachable(e: BaseException) -> bool:
+    """Whether `e` says the storage at a URL could not be reached or used (as opposed to a missing file
+    or a bug), so that callers can report the URL in one clear line."""
+    if isinstance(e, FileNotFoundError):
+        return False
+    client = type(e).__module__.split(".")[0] in STORE_CLIENTS
+    return client or isinstance(e, (ConnectionError, TimeoutError, PermissionError))
+
+
 def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Local: write a temp file and rename. Object stores have no rename; a PUT is atomic per object."""
     if is_local(fs):
@@ -183,7 +197,13 @@ class ShardSet:
         try:
             text = self.fs.cat_file(manifest_path).decode()
         except FileNotFoundError as e:
-            raise ShardError(f"no {MANIFEST} in {root}: not a prepared dataset (run `python -m data.prepare`)") from e
+            why = f" ({e.args[-1]})" if e.args and "bucket" in str(e.args[-1]).lower() else ""
+            raise ShardError(f"no {MANIFEST} in {root}{why}: not a prepared dataset (run `python -m data.prepare`)"
+                             ) from e
+        except Exception as e:
+            if not store_unreachable(e):
+                raise
+            raise ShardError(f"cannot read {root}: {type(e).__name__}: {e}") from e
         self.manifest = Manifest.from_json(text, join(root, MANIFEST))
         self._setup(verified=set())
 

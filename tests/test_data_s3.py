@@ -104,3 +104,32 @@ def test_shardset_pickles_without_its_cache(local_dataset, s3_bucket):
     clone = pickle.loads(pickle.dumps(remote))
     assert clone._cache == {} and clone.root == remote.root
     assert np.array_equal(clone.read(0, 3000), local_dataset.read(0, 3000))
+
+
+def test_missing_bucket_is_named(s3_endpoint):
+    with pytest.raises(ShardError, match="bucket does not exist"):
+        ShardSet("s3://rekindle-no-such-bucket/ds")
+
+
+def test_unreachable_endpoint_is_one_clear_line(tmp_path):
+    """An endpoint nobody listens on (a closed loopback port): prepare and the trainer each say which
+    URL they could not reach, in one line, without a traceback and without the credentials."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, SMOKE, child_env, free_port
+
+    (tmp_path / "a.txt").write_text("print('hello')\n" * 50)
+    env = {**child_env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "AKIDTEST",
+           "AWS_SECRET_ACCESS_KEY": "s3cr3t-never-printed", "AWS_MAX_ATTEMPTS": "1", "AWS_DEFAULT_REGION": "us-east-1"}
+    prep = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "a.txt"), "--output",
+                           "s3://rekindle-unreachable/ds", "--vocab-size", "300", "--no-progress"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    train = subprocess.run([sys.executable, "-m", "trainer", str(SMOKE), f"run.dir={tmp_path / 'run'}",
+                            "data.path=s3://rekindle-unreachable/ds", "log.progress=false"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert prep.returncode == 2 and "error: object storage unusable" in prep.stderr
+    assert train.returncode == 1 and "error: cannot read s3://rekindle-unreachable/ds" in train.stderr
+    for proc in (prep, train):
+        assert "Traceback" not in proc.stderr and "s3cr3t" not in proc.stderr + proc.stdout
+        assert "Could not connect to the endpoint URL" in proc.stderr
