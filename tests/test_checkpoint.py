@@ -343,6 +343,27 @@ def test_no_usable_checkpoint_starts_fresh_or_fails_when_required(cache_dir, tmp
     assert "starting fresh" in proc.stdout
 
 
+def test_resume_never_refuses_a_directory_with_committed_steps(cache_dir, tmp_path):
+    """resume=never over committed checkpoints would, at the next resume, mix two runs: refused, and
+    nothing is deleted."""
+    run_trainer(tmp_path, ["train.steps=2", "checkpoint.every=2"])
+    proc = run_trainer(tmp_path, ["train.steps=2", "checkpoint.resume=never"], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "checkpoint.resume=never, but" in proc.stderr and "holds committed step(s) [2]" in proc.stderr
+    assert (tmp_path / "checkpoints" / "step-00000002" / COMMIT).exists()
+
+
+def test_unreachable_checkpoint_storage_is_one_clear_line(cache_dir, tmp_path):
+    env = {**child_env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "AKIDTEST",
+           "AWS_SECRET_ACCESS_KEY": "s3cr3t-never-printed", "AWS_MAX_ATTEMPTS": "1", "AWS_DEFAULT_REGION": "us-east-1"}
+    proc = subprocess.run(trainer_cmd(1, SMOKE, [f"run.dir={tmp_path}", "train.steps=2", "log.progress=false",
+                                                 "checkpoint.dir=s3://rekindle-unreachable/ckpt"]),
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error: cannot reach checkpoint storage s3://rekindle-unreachable/ckpt" in proc.stderr
+    assert "s3cr3t" not in proc.stdout + proc.stderr
+
+
 def test_retention_keeps_newest_and_milestones(tmp_path):
     ckpt = Checkpointer(str(tmp_path), SOLO, keep=2, keep_every=3)
     model, opt = trained(0)
@@ -437,6 +458,88 @@ def test_failed_save_keeps_every_previous_commit(tmp_path, monkeypatch):
     monkeypatch.delenv("REKINDLE_CRASH_AT")
     ckpt.save(TrainState(step=3), model, opt)  # the leftover is cleared, the save succeeds, step 1 goes
     assert ckpt.committed_steps() == [2, 3]
+
+
+def test_retention_after_a_fallback_keeps_the_steps_of_this_timeline(tmp_path):
+    """Resumed from step 4 because step 6 is corrupt: retention counts only steps up to the one just
+    committed (which it never deletes), and deletes step 6, the abandoned timeline, once 5 exists."""
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    model, opt = trained(0)
+    for step in (2, 4, 6):
+        ckpt.save(TrainState(step=step), model, opt)
+    corrupt(tmp_path / "step-00000006" / "__0_0.distcp", "flip")
+    resumed = Checkpointer(str(tmp_path), SOLO, keep=2)
+    assert resumed.discover_latest() == 4
+    resumed.save(TrainState(step=5), model, opt)
+    assert resumed.committed_steps() == [4, 5]  # was [5, 6]: the fallback gone, the corrupt step kept
+    assert resumed.discover_latest() == 5
+
+
+def test_all_newest_steps_unusable_then_fresh_saves_are_kept(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    model, opt = trained(0)
+    for step in (60, 80):
+        ckpt.save(TrainState(step=step), model, opt)
+    for step in (60, 80):
+        corrupt(tmp_path / f"step-{step:08d}" / "__0_0.distcp", "flip")
+    fresh = Checkpointer(str(tmp_path), SOLO, keep=2)
+    assert fresh.discover_latest() is None
+    for step in (10, 20, 30):
+        fresh.save(TrainState(step=step), model, opt)
+    assert fresh.committed_steps() == [20, 30] and fresh.discover_latest() == 30
+
+
+def test_a_failure_after_the_commit_is_a_warning_not_a_failed_save(tmp_path, capsys):
+    """Deleting old steps or recording the commit can fail (a bucket that forbids deletes): the step is
+    committed all the same, and the save says so instead of 'not committed'."""
+    def fail(*_):
+        raise PermissionError("deletes are forbidden here")
+
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2, on_commit=fail)
+    ckpt.prune = fail
+    model, opt = trained(0)
+    for step in (1, 2, 3):
+        ckpt.save(TrainState(step=step), model, opt)
+    assert ckpt.committed_steps() == [1, 2, 3] and ckpt.discover_latest() == 3
+    out = capsys.readouterr().out
+    assert "step 3 is committed, but deleting old steps failed: PermissionError" in out
+    assert "step 3 is committed, but recording the commit failed" in out
+
+
+def test_a_file_that_cannot_be_read_falls_back_like_a_corrupt_one(tmp_path, monkeypatch, capsys):
+    """An I/O error reading one shard (EIO, a bad sector: injected, as no real disk fails on demand) makes
+    that step unusable; the run falls back to the previous step instead of crashing on every restart."""
+    import errno
+
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    model, opt = trained(0)
+    for step in (1, 2):
+        ckpt.save(TrainState(step=step), model, opt)
+    checksum_file = storage.checksum_file
+
+    def failing(fs, path, *args, **kwargs):
+        if "step-00000002" in str(path):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return checksum_file(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "checksum_file", failing)
+    assert ckpt.discover_latest() == 1
+    assert "step 2 is unusable, falling back" in capsys.readouterr().out
+
+
+def test_async_save_after_the_optimizer_state_changed_shape(tmp_path):
+    """The reused CPU buffer of async saves no longer fits once the optimizer state has a new entry:
+    the save makes a new buffer instead of failing."""
+    ckpt = Checkpointer(str(tmp_path), SOLO, async_=True)
+    model, opt = trained(0)
+    ckpt.save(TrainState(step=1), model, opt, blocking=False)
+    ckpt.wait()
+    first = next(iter(opt.state.values()))
+    first["max_exp_avg_sq"] = torch.zeros_like(first["exp_avg_sq"])  # as amsgrad=True would add
+    ckpt.save(TrainState(step=2), model, opt, blocking=False)
+    ckpt.wait()
+    assert ckpt.committed_steps() == [1, 2]
+    ckpt.close()
 
 
 def test_async_write_error_is_raised_at_the_next_poll(tmp_path, monkeypatch):

@@ -56,6 +56,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.checkpoint.api import CheckpointException as CheckpointException_
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from data.shards import store_unreachable
 from trainer import ckpt_storage as storage
 from trainer.ckpt_storage import CheckpointError
 from trainer.parallel import DistInfo
@@ -184,7 +185,17 @@ def verify(path: str, rank: int = 0, world: int = 1, spool: str | None = None) -
     With `spool` (a local directory) and a remote checkpoint, each file of the share is downloaded
     there once and checksummed on the way; the copies that verify stay there under their names, for
     the load to read instead of downloading them again. Without room for the copy, a file is checked
-    remotely as without `spool`."""
+    remotely as without `spool`. A file that cannot be read (EIO) is a problem like a corrupt one;
+    storage that cannot be reached at all raises CheckpointError (no step is usable or unusable then)."""
+    try:
+        return _verify_files(path, rank, world, spool)
+    except Exception as e:
+        if not store_unreachable(e):
+            raise
+        raise CheckpointError(f"cannot read checkpoint storage at {path}: {type(e).__name__}: {e}") from e
+
+
+def _verify_files(path: str, rank: int, world: int, spool: str | None) -> str:
     fs, p = storage.filesystem(path)
     spool = spool if storage.is_remote(path) else None
     try:
@@ -196,34 +207,50 @@ def verify(path: str, rank: int = 0, world: int = 1, spool: str | None = None) -
     for i, (name, want) in enumerate(files):
         if _verifier(name, i, world) != rank:
             continue
-        full = f"{p}/{name}"
-        if not fs.exists(full):
-            return f"{path}/{name} is missing"
-        size = int(fs.size(full))
-        if size != want["size"]:
-            return f"{path}/{name} is {size} bytes, committed with {want['size']} (truncated?)"
-        algorithm = next((a for a in storage.CHECKSUMS if a in want), None)
-        if algorithm is None:
-            return f"{path}/{COMMIT} has no checksum for {name}"
-        digest, local = None, os.path.join(spool, name) if spool else None
-        if local:
-            try:
-                digest = storage.checksum_file(fs, full, algorithm, copy_to=local)
-            except storage.SpoolError:
-                with contextlib.suppress(OSError):
-                    os.unlink(local)
-        if digest is None:
-            digest = storage.checksum_file(fs, full, algorithm)
-        if digest != want[algorithm]:
-            if local:
-                with contextlib.suppress(OSError):
-                    os.unlink(local)
-            return f"{path}/{name} fails its checksum (corrupt)"
+        try:
+            problem = _verify_file(fs, path, name, want, spool)
+        except OSError as e:
+            if store_unreachable(e):
+                raise
+            problem = f"{path}/{name} is unreadable ({type(e).__name__}: {e})"  # e.g. EIO: a bad sector
+        if problem:
+            return problem
     if rank == 0:
         try:
             storage.load_metadata(fs.cat_file(f"{p}/.metadata"))
         except Exception as e:  # noqa: BLE001 - any failure to parse means unusable
+            if store_unreachable(e):
+                raise
             return f"{path}/.metadata is unusable: {type(e).__name__}: {e}"
+    return ""
+
+
+def _verify_file(fs, path: str, name: str, want: dict, spool: str | None) -> str:
+    """One committed file of `path`: '' if its size and checksum match `want`, else the problem."""
+    p = storage.filesystem(path)[1]
+    full = f"{p}/{name}"
+    if not fs.exists(full):
+        return f"{path}/{name} is missing"
+    size = int(fs.size(full))
+    if size != want["size"]:
+        return f"{path}/{name} is {size} bytes, committed with {want['size']} (truncated?)"
+    algorithm = next((a for a in storage.CHECKSUMS if a in want), None)
+    if algorithm is None:
+        return f"{path}/{COMMIT} has no checksum for {name}"
+    digest, local = None, os.path.join(spool, name) if spool else None
+    if local:
+        try:
+            digest = storage.checksum_file(fs, full, algorithm, copy_to=local)
+        except storage.SpoolError:
+            with contextlib.suppress(OSError):
+                os.unlink(local)
+    if digest is None:
+        digest = storage.checksum_file(fs, full, algorithm)
+    if digest != want[algorithm]:
+        if local:
+            with contextlib.suppress(OSError):
+                os.unlink(local)
+        return f"{path}/{name} fails its checksum (corrupt)"
     return ""
 
 
@@ -307,6 +334,7 @@ class Checkpointer:
         self._hooks: dict[int, Any] = {}
         self.last_blocking_s = 0.0  # time the last save() held the caller, plus any wait for its copy
         self._spool: tuple[int, str, weakref.finalize] | None = None  # (step, dir, remover): verified copies
+        self._unusable: set[int] = set()  # committed steps that failed to verify (deleted once one is newer)
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainState, model: nn.Module, optimizer, blocking: bool = True) -> str:
@@ -362,7 +390,7 @@ class Checkpointer:
         if self._buffer is not None:
             try:
                 return _copy_state_dict(sd, self._buffer)
-            except (ValueError, RuntimeError, KeyError):  # the state's structure changed: new buffer
+            except Exception:  # noqa: BLE001 - the state's structure changed (e.g. CompanionMismatch): new buffer
                 self._buffer = None
         self._buffer = _create_cpu_state_dict(sd, pin_memory=self.info.device.type == "cuda")
         return _copy_state_dict(sd, self._buffer)
@@ -414,11 +442,16 @@ class Checkpointer:
             _crash_point("commit", state.step, self.info.rank)
             try:
                 self._write_commit(state, path, {k: v for _, f in results for k, v in f.items()})
-                self.prune()
             except Exception as e:  # noqa: BLE001
                 errors.append(f"rank 0: writing {COMMIT} failed: {type(e).__name__}: {e}")
-        if not errors and self.info.is_main and self.on_commit:
-            self.on_commit(state.step)
+            else:  # committed: what follows must not fail the save (nor keep rank 0 from the broadcast)
+                for what, then in (("deleting old steps", lambda: self.prune(state.step)),
+                                   ("recording the commit", lambda: self.on_commit and self.on_commit(state.step))):
+                    try:
+                        then()
+                    except Exception as e:  # noqa: BLE001
+                        print(f"[checkpoint] warning: step {state.step} is committed, but {what} failed: "
+                              f"{type(e).__name__}: {e}", flush=True)
         errors = self._broadcast(errors)
         if errors:
             message = f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors)
@@ -429,27 +462,32 @@ class Checkpointer:
         """`files`: what the ranks wrote, `.metadata` included (rank 0's DCP writer hashed it)."""
         fs, p = storage.filesystem(path)
         body = json.dumps(asdict(state), indent=1).encode()
-        with fs.open(f"{p}/{TRAIN_STATE}", "wb") as f:
-            f.write(body)
+        storage.write_durably(f"{path}/{TRAIN_STATE}", body)
         files[TRAIN_STATE] = {"size": len(body), storage.CHECKSUM: storage.checksum_bytes(body)}
         if ".metadata" not in files:  # not seen being written (a writer that bypasses the hashing): read it
             full = f"{p}/.metadata"
             files[".metadata"] = {"size": int(fs.size(full)), storage.CHECKSUM: storage.checksum_file(fs, full)}
         commit = {"step": state.step, "time": time.time(), "world": self.info.world, "files": files}
         commit["sha256"] = _commit_digest(commit)
-        with fs.open(f"{p}/{COMMIT}", "w") as f:  # last: the step exists from here on
-            json.dump(commit, f, indent=1)
+        storage.write_durably(f"{path}/{COMMIT}", json.dumps(commit, indent=1).encode())  # last: the step exists
+        if not storage.is_remote(self.root):
+            storage.fsync_dir(storage.filesystem(self.root)[1])  # ... and its directory too, before prune() deletes
 
     # ------------------------------------------------------------------ discover, verify, load
     def committed_steps(self) -> list[int]:
         fs, p = storage.filesystem(self.root)
-        if not fs.exists(p):
-            return []
-        steps = []
-        for entry in fs.ls(p, detail=False):
-            m = STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if m and fs.exists(f"{entry.rstrip('/')}/{COMMIT}"):
-                steps.append(int(m.group(1)))
+        try:
+            if not fs.exists(p):
+                return []
+            steps = []
+            for entry in fs.ls(p, detail=False):
+                m = STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
+                if m and fs.exists(f"{entry.rstrip('/')}/{COMMIT}"):
+                    steps.append(int(m.group(1)))
+        except Exception as e:
+            if not store_unreachable(e):
+                raise
+            raise CheckpointError(f"cannot reach checkpoint storage {self.root}: {type(e).__name__}: {e}") from e
         return sorted(steps)
 
     def _verify_share(self, step: int) -> str:
@@ -473,14 +511,31 @@ class Checkpointer:
 
     def discover_latest(self) -> int | None:
         """Newest committed step that verifies on every rank; the same answer on every rank."""
-        candidates = self._broadcast(list(reversed(self.committed_steps())) if self.info.is_main else None)
-        for step in candidates:
-            problems = [p for p in self._gather(self._verify_share(step)) if p]
+        listing = None
+        if self.info.is_main:
+            try:
+                listing = ("", list(reversed(self.committed_steps())))
+            except Exception as e:  # noqa: BLE001 - said on every rank below, not left to a collective timeout
+                listing = (str(e) if isinstance(e, CheckpointError) else f"listing {self.root}: {e!r}", [])
+        error, candidates = self._broadcast(listing)
+        for step in candidates if not error else []:
+            try:
+                problem = self._verify_share(step)
+            except Exception as e:  # noqa: BLE001 - storage unreachable (or a bug): stop on every rank
+                problem, error = "", str(e) if isinstance(e, CheckpointError) else f"verifying step {step}: {e!r}"
+            results = self._gather((problem, error))
+            error = next((e for _, e in results if e), "")
+            problems = [p for p, _ in results if p]
+            if error:
+                break
             if not problems:
                 return step
+            self._unusable.add(step)
             if self.info.is_main:
                 print(f"[checkpoint] warning: step {step} is unusable, falling back: {problems[0]}", flush=True)
         self._drop_spool()
+        if error:
+            raise CheckpointError(error)
         return None
 
     def load(self, step: int, model: nn.Module, optimizer) -> TrainState:
@@ -505,22 +560,30 @@ class Checkpointer:
         return state
 
     # ------------------------------------------------------------------ retention
-    def prune(self) -> list[int]:
-        """Rank 0: keep the newest `keep` committed steps (and multiples of keep_every); delete the rest,
-        and uncommitted leftovers older than the newest commit (crashed saves)."""
+    def prune(self, newest: int) -> list[int]:
+        """Rank 0, right after committing step `newest`: of the committed steps up to `newest`, keep
+        the newest `keep` (`newest` among them) and the multiples of keep_every, and delete the rest;
+        delete the newer steps this run found unusable and fell back past (a timeline it abandoned),
+        and uncommitted leftovers older than `newest` (crashed saves). Newer committed steps it did
+        not find unusable are left alone. Returns the deleted committed steps."""
         steps = self.committed_steps()
-        doomed = [s for s in steps[: -self.keep] if not (self.keep_every and s % self.keep_every == 0)]
+        ours = [s for s in steps if s <= newest]
+        doomed = [s for s in ours[: -self.keep] if not (self.keep_every and s % self.keep_every == 0)]
+        abandoned = [s for s in steps if s > newest and s in self._unusable]
         fs, root = storage.filesystem(self.root)
-        for step in doomed:
+        for step in doomed + abandoned:
             _, p = storage.filesystem(step_dir(self.root, step))
             fs.rm(f"{p}/{COMMIT}")  # uncommit first: a half-deleted step is then never loaded
             fs.rm(p, recursive=True)
-        if steps:
-            for entry in fs.ls(root, detail=False):
-                m = STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
-                if m and int(m.group(1)) < steps[-1] and int(m.group(1)) not in steps:
-                    fs.rm(entry, recursive=True)
-        return doomed
+            if step in abandoned:
+                print(f"[checkpoint] deleted step {step}: it did not verify, and this run committed step {newest} "
+                      "instead", flush=True)
+        self._unusable.difference_update([*abandoned, newest])  # a re-saved step is good again
+        for entry in fs.ls(root, detail=False):
+            m = STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
+            if m and int(m.group(1)) < newest and int(m.group(1)) not in steps:
+                fs.rm(entry, recursive=True)
+        return doomed + abandoned
 
     def _clear_uncommitted(self, path: str) -> None:
         fs, p = storage.filesystem(path)

@@ -93,6 +93,34 @@ def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
+def fsync_dir(path: str) -> None:
+    """Make the entries of local directory `path` (files created, renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(url: str, data: bytes) -> None:
+    """Write a small file whole. Local: a temp file, fsynced, renamed over `url`, and the directory
+    fsynced, so that once this returns the file survives a crash of the machine, complete or not at all
+    (and is never seen half-written). Object stores: one PUT, whole and durable once acknowledged."""
+    if is_remote(url):
+        fs, p = filesystem(url)
+        with fs.open(p, "wb") as f:
+            f.write(data)
+        return
+    path = url.removeprefix("file://")
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
 def checksum_bytes(data: bytes, algorithm: str = CHECKSUM) -> str:
     digest = new_digest(algorithm)
     digest.update(data)
