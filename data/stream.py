@@ -14,7 +14,9 @@ the cost of starting or resuming at any point is that of one window, not of the 
 
 Global batch b is stream positions [b*B, (b+1)*B); rank r of W takes the contiguous slice
 [r*B/W, (r+1)*B/W) of it. The whole state is one integer, samples consumed, so any world size with the
-same global batch resumes the same global batches. data.loader adds worker processes on top.
+same global batch resumes the same global batches (the saved state also records the seed, sequence
+length, order, manifest hash and number of training samples, and a resume checks them).
+data.loader adds worker processes on top.
 """
 
 from __future__ import annotations

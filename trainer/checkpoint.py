@@ -13,9 +13,13 @@ Protocol: every rank writes its shards (rank 0 also `.metadata`), hashing them a
 success is agreed collectively; only then rank 0 writes train_state.json and COMMIT.json. A step
 without a valid COMMIT.json is never loaded. On resume every rank verifies its share of the files of the newest
 committed step (rank r the shard file of rank r, the one it loads at an unchanged world size); any
-missing, truncated or corrupt file names itself in a warning and the previous commit is tried. A
-remote file is downloaded once: verification copies it to a local spool directory while hashing
-it, and the load reads the copy. Steps are deleted only after a newer one is committed.
+missing, truncated, corrupt or unreadable file names itself in a warning and the previous commit is
+tried (unreachable storage is an error on every rank instead). A remote file is downloaded once:
+verification copies it to a local spool directory while hashing it, and the load reads the copy.
+Locally, train_state.json and COMMIT.json are written durably (temp file, fsync, rename, directory
+fsync). Retention runs after each commit of step s: it keeps the newest `keep` steps up to s (and
+keep_every multiples) and deletes the newer steps this run fell back past; a step is deleted only
+after a newer one is committed, and a failure while deleting does not undo the commit.
 
 Async saves (`async_=True, blocking=False`) return after a few milliseconds: a background thread
 copies the state into a reused CPU buffer, then writes it. Until the copy is done the tensors must
