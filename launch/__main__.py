@@ -22,11 +22,24 @@ def _env(name: str, default):
     return os.environ.get(f"PET_{name}", default)
 
 
+def nproc_per_node(value: str) -> int:
+    """torchrun's values: a number, `gpu` (the visible GPUs), `cpu` (the CPUs) or `auto` (GPUs if any,
+    else CPUs). Raises ValueError for anything else, and for `gpu` without GPUs."""
+    if value in ("auto", "gpu", "cpu"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if value == "gpu" and not gpus:
+            raise ValueError("no GPUs")
+        return gpus if value != "cpu" and gpus else os.cpu_count() or 1
+    return int(value)
+
+
 def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc-per-node", type=int, default=int(_env("NPROC_PER_NODE", 1)),
-                   help="ranks on this node (default 1)")
+    p.add_argument("--nproc-per-node", default=_env("NPROC_PER_NODE", "1"),
+                   help="ranks on this node: N, or auto (the GPUs, else the CPUs), gpu or cpu, as torchrun (default 1)")
     p.add_argument("--nnodes", default=_env("NNODES", "1"), help="N or MIN:MAX nodes (elastic between MIN and MAX)")
     p.add_argument("--max-restarts", type=int, default=_env("MAX_RESTARTS", None),
                    help="restart budget (default fault.max_restarts)")
@@ -50,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lo, _, hi = args.nnodes.partition(":")
         min_nodes, max_nodes = int(lo), int(hi or lo)
-        if not 1 <= min_nodes <= max_nodes or args.nproc_per_node < 1:
+        nproc = nproc_per_node(args.nproc_per_node)
+        if not 1 <= min_nodes <= max_nodes or nproc < 1:
             raise ValueError
     except ValueError:
-        print(f"launch: --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, and --nproc-per-node >= 1; "
-              f"got {args.nnodes!r}, {args.nproc_per_node}", file=sys.stderr)
+        print(f"launch: --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, and --nproc-per-node N >= 1, auto, "
+              f"gpu (with GPUs) or cpu; got {args.nnodes!r}, {args.nproc_per_node!r}", file=sys.stderr)
         return EXIT_USAGE
     try:
         conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if kv)
@@ -70,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from launch.elastic import LaunchOptions, Supervisor
 
-    opts = LaunchOptions(args.config, args.overrides, args.nproc_per_node, min_nodes, max_nodes, args.max_restarts,
+    opts = LaunchOptions(args.config, args.overrides, nproc, min_nodes, max_nodes, args.max_restarts,
                          args.rdzv_endpoint, args.rdzv_id, conf, args.local_addr)
     return Supervisor(cfg, opts).run()
 

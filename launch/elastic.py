@@ -4,8 +4,11 @@ this process, with the parts torchrun lacks added around it:
 - hang detection from per-rank heartbeats (`launch.watchdog`), not only process exits;
 - restarts that SIGKILL the old group at once (its survivors sit in dead collectives), with a
   restart policy (`launch.policy`): backoff without progress, crash-loop and bad-input stops;
+- a node joining (a membership change) is no failure: the ranks get SIGTERM and the grace period to
+  commit an emergency checkpoint before the group is restarted with the new node, so no step is lost;
 - preemption: SIGTERM (or Ctrl-C) to the launcher is passed to the ranks, which finish the step,
-  commit an emergency checkpoint and exit 75 within `fault.preempt_grace_s`;
+  commit an emergency checkpoint and exit 75 within `fault.preempt_grace_s`; between worker groups
+  (rendezvous, backoff) nothing is left to ask, and the launcher stops at once;
 - the ledger (`launch.ledger`): start, failure, restart, resume, preempt, done in events.jsonl.
 """
 
@@ -74,6 +77,10 @@ def _traceback_tail(failure, lines: int = 6) -> str:
     return "\n".join(stack.strip().splitlines()[-lines:])
 
 
+class _Stopping(Exception):
+    """Raised in the agent thread when a signal arrived between worker groups: start nothing more."""
+
+
 class _SupervisedAgent(LocalElasticAgent):
     """torchrun's agent with the supervisor's hooks at start, monitor, stop and restart."""
 
@@ -81,9 +88,9 @@ class _SupervisedAgent(LocalElasticAgent):
         super().__init__(spec, DefaultLogsSpecs(), start_method="spawn", exit_barrier_timeout=60)
         self.supervisor = supervisor
         self.victims: set[int] = set()  # local ranks still alive when the group was torn down
+        self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
 
-    @property
-    def attempt(self) -> int:
+    def _restart_count(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def stop_restarts(self) -> None:
@@ -93,6 +100,9 @@ class _SupervisedAgent(LocalElasticAgent):
         return dict(self._pcontext.pids()) if self._pcontext else {}
 
     def _start_workers(self, worker_group):
+        if self.supervisor.preempt_at is not None:
+            raise _Stopping("signalled before the worker group started")
+        self.attempt = self._restart_count()  # what torchelastic gives the ranks (stop_restarts() changes it later)
         self.supervisor.before_start(self.attempt)
         pids = super()._start_workers(worker_group)
         self._fast_close(self._pcontext)
@@ -121,8 +131,26 @@ class _SupervisedAgent(LocalElasticAgent):
         self._shutdown(signal.SIGKILL, timeout=5)
 
     def _restart_workers(self, worker_group) -> None:
-        self.supervisor.before_restart(self.attempt)
-        super()._restart_workers(worker_group)
+        """Stop the group first (a hung rank must not hold its memory or GPU through the backoff),
+        then back off, rendezvous and start. After a failure the group is SIGKILLed; on a membership
+        change (a node joining) the ranks first get SIGTERM and the grace period to commit an emergency
+        checkpoint, as in a preemption, so that the new group loses no step."""
+        membership = not self.supervisor.restart_pending
+        if membership:
+            self._drain(self.supervisor.cfg.fault.preempt_grace_s)
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        self.supervisor.before_restart(self._restart_count(), membership)
+        self._initialize_workers(worker_group)
+
+    def _drain(self, grace_s: float) -> None:
+        """SIGTERM every rank (they agree on the step, commit and exit 75); wait for them within grace_s."""
+        pids = list(self.worker_pids().values())
+        for pid in pids:
+            _signal(pid, signal.SIGTERM, group=False)
+        deadline = time.time() + grace_s
+        while any(_alive(pid) for pid in pids) and time.time() < deadline and not self.supervisor.hard_stop:
+            time.sleep(0.1)
 
     def _monitor_workers(self, worker_group) -> RunResult:
         return self.supervisor.review(super()._monitor_workers(worker_group), self)
@@ -144,7 +172,8 @@ class Supervisor:
         self._signalled: set[int] = set()
         self._decision: Decision | None = None
         self._delay_s = 0.0
-        self._restart_pending = False
+        self.restart_pending = False  # the next restart follows a failure (else: a membership change)
+        self._interrupted: tuple[float, str] | None = None  # (when, why) the running group was stopped
         self._next_check = 0.0
         self._result: RunResult | None = None
         self._error: BaseException | None = None
@@ -154,17 +183,26 @@ class Supervisor:
         self.watchdog.reset()
 
     def after_start(self, attempt: int, pids: dict[int, int]) -> None:
-        self.ledger.attempt_started(attempt)
+        interrupted, self._interrupted = self._interrupted, None
+        self.ledger.attempt_started(attempt, *(interrupted or (None, "")))
         say(f"attempt {attempt}: {len(pids)} worker(s) started, pids {sorted(pids.values())}")
 
-    def before_restart(self, attempt: int) -> None:
+    def before_restart(self, attempt: int, membership: bool) -> None:
+        """The old group is stopped: log the restart, then wait out the backoff (a signal ends the wait)."""
         delay, self._delay_s = self._delay_s, 0.0
-        reason = "failure" if self._restart_pending else "membership change"
-        self._restart_pending = False
-        self.ledger.event("restart", n=attempt, delay_s=delay, reason=reason)
+        self.restart_pending = False
+        if membership:
+            self._interrupted = (time.time(), "membership change")
+        self.ledger.event("restart", n=attempt, delay_s=delay, reason="membership change" if membership else "failure")
+        if membership:
+            say("a node is waiting to join: restarting the worker group with it")
         if delay:
             say(f"no progress since the last failure: waiting {delay:.1f}s before restarting")
-            time.sleep(delay)
+        deadline = time.time() + delay
+        while time.time() < deadline:
+            if self.preempt_at is not None:
+                raise _Stopping("signalled during the backoff")
+            time.sleep(min(0.1, max(deadline - time.time(), 0.0)))
 
     def review(self, result: RunResult, agent: _SupervisedAgent) -> RunResult:
         """Called every monitor interval with the agent's own view; may turn HEALTHY into UNHEALTHY."""
@@ -185,7 +223,9 @@ class Supervisor:
             elif result.state == WorkerState.HEALTHY and self.preempt_at is None:
                 hang = self.watchdog.check(agent.attempt, now)
                 if hang:
-                    self._on_failure(Failure(hang.rank, "hang", hang.step + 1, message=hang.describe()), "", agent)
+                    failure = Failure(hang.rank, "hang", hang.step + 1, message=hang.describe(),
+                                      key=f"rank {hang.rank} {hang.state}")  # no pid or seconds: same hang, same key
+                    self._on_failure(failure, "", agent)
                     return RunResult(state=WorkerState.UNHEALTHY)
         return result
 
@@ -209,9 +249,10 @@ class Supervisor:
                             exit_code=failure.exit_code, signal=failure.signal, message=failure.message,
                             traceback=tb)
         say(f"failure: {failure.describe()}" + (f"\n{tb}" if tb else ""))
+        self._interrupted = (self.ledger.failures[-1]["time"], "failure")
         decision = self.policy.decide(failure)
         if decision.restart:
-            self._delay_s, self._restart_pending = decision.delay_s, True
+            self._delay_s, self.restart_pending = decision.delay_s, True
             say(f"restarting the worker group (restart {self.policy.restarts} of {self.policy.max_restarts})")
         else:
             self._decision = decision
@@ -284,9 +325,25 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         thread = threading.Thread(target=self._run_agent, args=(agent,), name="elastic-agent", daemon=True)
         thread.start()
+        idle_since = None
         try:
             while thread.is_alive():
                 thread.join(0.2)
+                if self.preempt_at is None:
+                    continue
+                pids = agent.worker_pids().values()
+                if self.hard_stop:
+                    for pid in pids:
+                        _signal(pid, signal.SIGKILL, group=True)
+                if any(_alive(pid) for pid in pids):
+                    idle_since = None
+                    continue
+                # Signalled, and no rank is running: the agent is in a rendezvous, a backoff or the exit
+                # barrier, where nothing acts on the signal (for up to join_timeout). Stop here.
+                idle_since = idle_since or time.time()
+                if self.hard_stop or time.time() - idle_since > 2.0:
+                    say("no worker group is running: stopping now")
+                    break
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

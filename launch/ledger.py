@@ -29,6 +29,8 @@ class Attempt:
     busy_s: float = 0.0
     steps_run: int = 0
     first_step_at: float = 0.0
+    interrupted_at: float | None = None  # when the previous group was stopped (failure noticed, or a restart)
+    reason: str = ""  # why: "failure" or "membership change" ("" for the first attempt)
 
 
 @dataclass
@@ -44,8 +46,8 @@ class Ledger:
         return append_event(self.run_dir, name, node=self.node, **fields)
 
     # ------------------------------------------------------------------ attempts
-    def attempt_started(self, n: int) -> None:
-        self.attempts.append(Attempt(n=n, started=time.time()))
+    def attempt_started(self, n: int, interrupted_at: float | None = None, reason: str = "") -> None:
+        self.attempts.append(Attempt(n=n, started=time.time(), interrupted_at=interrupted_at, reason=reason))
 
     def observe(self, beat: dict) -> dict | None:
         """Fold in the current attempt's heartbeat; returns the `resume` event once its first step is done."""
@@ -58,14 +60,14 @@ class Ledger:
         if a.first_step_at or not beat.get("t_first"):
             return None
         a.first_step_at = beat["t_first"]
-        if len(self.attempts) == 1 or not self.failures:
+        if len(self.attempts) == 1 or a.interrupted_at is None:
             return None
-        failed = self.failures[-1]
+        since = a.interrupted_at  # this attempt's own cause, not an older failure
         lost = max(self.attempts[-2].last_step - a.resumed_step, 0)
         resume = {
-            "step": a.resumed_step, "lost_steps": lost, "recovery_s": round(beat["t_first"] - failed["time"], 3),
-            "restart_s": round(beat["t_load"] - failed["time"], 3),
-            "spawn_s": round(beat["t_proc"] - failed["time"], 3),  # stop the group, rendezvous, fork/exec
+            "step": a.resumed_step, "lost_steps": lost, "reason": a.reason,
+            "recovery_s": round(beat["t_first"] - since, 3), "restart_s": round(beat["t_load"] - since, 3),
+            "spawn_s": round(beat["t_proc"] - since, 3),  # stop the group, rendezvous, fork/exec
             "startup_s": round(beat["t_load"] - beat["t_proc"], 3),  # import torch, join the group, build the model
             "load_s": round(beat["t_loaded"] - beat["t_load"], 3),
             "first_step_s": round(beat["t_first"] - beat["t_loaded"], 3),

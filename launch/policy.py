@@ -19,9 +19,10 @@ class Failure:
     exit_code: int | None = None
     signal: str | None = None
     message: str = ""  # one line: the exception, the signal, or the hang diagnosis
+    key: str = ""  # what makes two failures the same (default: the message; a hang's names no pid or seconds)
 
     def signature(self) -> tuple:
-        return self.cause, self.exit_code, self.signal, self.step, self.message
+        return self.cause, self.exit_code, self.signal, self.step, self.key or self.message
 
     def describe(self) -> str:
         how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",

@@ -126,6 +126,7 @@ def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_d
     commits = [e["step"] for e in events if e["event"] == "commit"]
     assert commits and commits[-1] >= beat["step"], (commits, beat["step"])  # nothing finished is lost
     assert events[-1]["event"] == "done" and events[-1]["outcome"] == "preempted"
+    assert events[-1]["final_step"] == commits[-1]  # the heartbeats are read to the end (steps not undercounted)
 
     again = launch(tmp_path, overrides)
     out = finish(again)
@@ -178,3 +179,58 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir,
     assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
     assert "saved by 2 rank(s)" in out
     assert read_metrics(tmp_path)[60]["step"] == 60
+
+
+def test_signal_during_the_backoff_stops_the_launcher_at_once(cache_dir, tmp_path):
+    """A crash at step 3 of every attempt: the second restart waits 20s. A SIGTERM in that wait ends
+    the launcher within seconds (exit 75), and no new worker group is started."""
+    proc = launch(tmp_path, ["train.steps=40", "checkpoint.every=2", "fault.restart_backoff_s=20",
+                             "fault.crash_loop_repeats=5"], nproc=1, env={"REKINDLE_FAIL_AT": "3"})
+    deadline, out = time.time() + 120, ""
+    while "waiting 20.0s before restarting" not in out and time.time() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, out[-3000:]
+        out += line
+    assert "waiting 20.0s" in out, out[-3000:]
+    started = out.count("worker(s) started")
+    signalled = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    out += finish(proc, timeout=30)
+    assert time.time() - signalled < 8, out[-3000:]
+    assert proc.returncode == 75, out[-3000:]
+    assert out.count("worker(s) started") == started  # nothing started after the signal
+
+
+def test_signal_while_waiting_for_other_nodes_stops_the_launcher(cache_dir, tmp_path):
+    """--nnodes 2 with only one launcher: it waits in the rendezvous (join timeout 900s); SIGINT ends it."""
+    proc = launch(tmp_path, ["train.steps=4"], nproc=1,
+                  extra_args=["--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone"])
+    time.sleep(4.0)
+    assert proc.poll() is None
+    signalled = time.time()
+    os.kill(proc.pid, signal.SIGINT)
+    out = finish(proc, timeout=30)
+    assert time.time() - signalled < 8, out[-3000:]
+    assert proc.returncode == 75 and "no worker group is running: stopping now" in out, out[-3000:]
+
+
+def test_a_node_joining_loses_no_step(cache_dir, tmp_path):
+    """--nnodes 1:2: a second launcher joins a running job. The first group gets SIGTERM and commits
+    an emergency checkpoint (no periodic one is due), and the 2-node group resumes from exactly there."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=scale-up"]
+    overrides = ["train.steps=400", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
+    host = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    wait_for_step(tmp_path, 10)
+    guest = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    outs = [finish(host, timeout=240), finish(guest, timeout=240)]
+    assert host.returncode == 0 and guest.returncode == 0, outs[0][-3000:] + outs[1][-3000:]
+    events = read_events(tmp_path)
+    restart = next(e for e in events if e["event"] == "restart")
+    assert restart["reason"] == "membership change"
+    commits = [e["step"] for e in events if e["event"] == "commit"]
+    resume = next(e for e in events if e["event"] == "resume")
+    assert resume["reason"] == "membership change" and resume["lost_steps"] == 0, resume
+    assert resume["step"] == commits[0] > 10, (resume, commits)
+    assert "world 2 (gloo" in outs[0] + outs[1]
+    assert not [e for e in events if e["event"] == "failure"]

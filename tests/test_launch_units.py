@@ -52,6 +52,28 @@ def test_policy_budget_and_bad_input():
     assert not bad.restart and bad.exit_code == EXIT_USAGE
 
 
+def test_the_same_hang_again_and_again_is_a_crash_loop():
+    """A hang's message names the pid and how long the rank was stale, which differ every time; its
+    key does not, so a deterministic deadlock stops early instead of spending the restart budget."""
+    policy = RestartPolicy(max_restarts=10, crash_loop_repeats=3)
+    hangs = [Failure(0, "hang", 13, message=f"rank 0 (pid {pid}) is stopped: no step finished for {s}s after step 12",
+                     key="rank 0 stopped") for pid, s in ((101, 60.1), (202, 60.4), (303, 60.2))]
+    assert policy.decide(hangs[0]).restart and policy.decide(hangs[1]).restart
+    assert policy.decide(hangs[2]).exit_code == EXIT_CRASH_LOOP
+
+
+def test_nproc_per_node_takes_torchruns_words():
+    from launch.__main__ import nproc_per_node
+
+    assert nproc_per_node("3") == 3
+    assert nproc_per_node("cpu") == (os.cpu_count() or 1)
+    assert nproc_per_node("auto") == (os.cpu_count() or 1)  # no GPU here: the CPUs
+    with pytest.raises(ValueError):
+        nproc_per_node("gpu")  # asked for GPUs, there are none
+    with pytest.raises(ValueError):
+        nproc_per_node("many")
+
+
 def test_goodput_counts_only_steps_that_survived(tmp_path):
     ledger = Ledger(tmp_path, started=0.0)
     # attempt 0 ran steps 1..50 in 50s; the next attempt resumed from 40: steps 41..50 were lost.
@@ -107,6 +129,10 @@ def test_launcher_rejects_bad_arguments_and_config_before_starting_anything(tmp_
 
     bad_nodes = run("--nnodes", "3:1", str(SMOKE))
     assert bad_nodes.returncode == 2 and "--nnodes" in bad_nodes.stderr
+    env = {**os.environ, "PET_NPROC_PER_NODE": "auto"}  # the Kubeflow operator's default: a valid value
+    auto = subprocess.run([sys.executable, "-m", "launch", "--nproc-per-node", "0", str(SMOKE)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert auto.returncode == 2 and "--nproc-per-node" in auto.stderr and "Traceback" not in auto.stderr
     bad_key = run(str(SMOKE), f"run.dir={tmp_path}", "fault.hang_timeot_s=3")
     assert bad_key.returncode == 2 and "did you mean 'fault.hang_timeout_s'" in bad_key.stderr
     assert not (tmp_path / "events.jsonl").exists()
