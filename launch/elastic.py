@@ -23,13 +23,17 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from launch.ledger import Ledger, format_summary, read_events
 from launch.policy import EXIT_FAILED, Decision, Failure, RestartPolicy
@@ -37,6 +41,7 @@ from launch.watchdog import Watchdog, proc_stat
 from trainer.config import Config
 from trainer.cost import cost_report, format_cost
 from trainer.fault import EXIT_PREEMPTED, HEARTBEAT_ENV
+from trainer.parallel import is_loopback, tcp_store_server
 
 LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"
 
@@ -289,7 +294,7 @@ class Supervisor:
                                       max_nodes=o.max_nodes, local_addr=local_addr, **conf)
         return WorkerSpec(role="trainer", local_world_size=o.nproc_per_node, entrypoint=sys.executable,
                           args=("-u", "-m", "trainer", o.config_path, *o.overrides),
-                          rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                          rdzv_handler=_rendezvous_handler(params),
                           max_restarts=self.policy.max_restarts, monitor_interval=o.monitor_interval_s,
                           local_addr=local_addr)
 
@@ -374,6 +379,20 @@ class Supervisor:
         if "cost" in summary:
             say(f"this node: {format_cost(summary['cost'])}")
         return code
+
+
+def _rendezvous_handler(params: RendezvousParameters):
+    """torchrun's c10d rendezvous; on a loopback endpoint its store listens on that address only
+    (torch's would listen on every interface), hosted by the first launcher to bind it."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    if not is_loopback(host):
+        return rdzv_registry.get_rendezvous_handler(params)
+    timeout = timedelta(seconds=int(params.get("read_timeout", "60")))
+    try:
+        store = tcp_store_server(host, port, None, timeout, multi_tenant=True)
+    except OSError:  # taken: another launcher on this machine hosts the rendezvous
+        store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+    return dynamic_rendezvous.create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
 
 
 # A rank that lost a peer fails too, with one of these: it is a victim, not the root cause.

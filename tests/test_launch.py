@@ -4,6 +4,8 @@ c10d rendezvous. Every process is real (torch's elastic agent, gloo ranks); ever
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -234,3 +236,38 @@ def test_a_node_joining_loses_no_step(cache_dir, tmp_path):
     assert resume["step"] == commits[0] > 10, (resume, commits)
     assert "world 2 (gloo" in outs[0] + outs[1]
     assert not [e for e in events if e["event"] == "failure"]
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """The local addresses (ip:port) of the TCP sockets these processes listen on, from /proc."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    found = set()
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addr, port = fields[1].split(":")
+                raw = bytes.fromhex(addr)
+                ip = ".".join(str(b) for b in raw[::-1]) if size == 4 else ipaddress.IPv6Address(
+                    b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))).compressed
+                found.add(f"{ip}:{int(port, 16)}")
+    return found
+
+
+def test_stores_listen_on_loopback_only(cache_dir, tmp_path):
+    """A single-node run: the launcher's rendezvous store and rank 0's process-group store are reachable
+    from this machine only (torch's TCPStore alone would listen on every interface)."""
+    proc = launch(tmp_path, ["train.steps=200", "checkpoint.every=1000"])
+    wait_for_step(tmp_path, 3)
+    beats = next(read_heartbeats(d) for d in tmp_path.glob("heartbeats-*"))
+    addresses = listening_addresses([proc.pid, *(b["pid"] for b in beats.values())])
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc, timeout=60)
+    assert len(addresses) >= 2, (addresses, out[-2000:])  # the rendezvous store and the group's store
+    assert all(a.startswith(("127.", "::1:")) for a in addresses), addresses

@@ -1,4 +1,5 @@
-"""Every distributed concern of the trainer: process-group set-up (gloo on CPU, NCCL on GPU),
+"""Every distributed concern of the trainer: process-group set-up (gloo on CPU, NCCL on GPU; on a
+loopback address its store listens on that address only),
 FSDP2 `fully_shard` per block and on the root, mixed precision, compile (the whole model on one CPU
 rank, else per block) and activation checkpointing. The model module stays plain PyTorch; this
 module wraps it."""
@@ -9,6 +10,7 @@ import contextlib
 import functools
 import gc
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +36,42 @@ class DistInfo:
         return self.rank == 0
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def tcp_store_server(host: str, port: int, world_size: int | None, timeout: timedelta,
+                     multi_tenant: bool = False) -> dist.TCPStore:
+    """A TCPStore server that listens on `host` only (port 0: any free one). torch's own TCPStore
+    server listens on every interface, which for a loopback address would open an unauthenticated
+    store to the network. Raises OSError when the address is taken (another process hosts it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, timeout, multi_tenant=multi_tenant,
+                         master_listen_fd=sock.detach())  # the store owns the listening socket from here
+
+
+def _group_store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """The process group's store when rank 0 hosts it on a loopback MASTER_ADDR: bound to that address.
+    None (torch's env:// store) for other addresses, or when the ranks use the launcher's store."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if not is_loopback(host) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        return None
+    if rank == 0:
+        return tcp_store_server(host, port, world, timeout)
+    return dist.TCPStore(host, port, world, False, timeout)
+
+
 def init_distributed(cfg: DistConfig) -> DistInfo:
     """Join the process group torchrun describes in the environment, or form a group of one.
 
@@ -55,8 +93,8 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
     timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if backend == "nccl" else None)
+            dist.init_process_group(backend, store=_group_store(rank, world, timeout), rank=rank, world_size=world,
+                                    timeout=timeout, device_id=device if backend == "nccl" else None)
         else:
             if world != 1:
                 raise RuntimeError("WORLD_SIZE > 1 but no MASTER_ADDR: launch several ranks with torchrun")
