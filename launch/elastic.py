@@ -360,9 +360,13 @@ class Supervisor:
         if result is not None and result.state == WorkerState.SUCCEEDED:
             code, outcome = 0, "done"
         elif self.preempt_at is not None:
-            # Clean when a checkpoint was committed after the signal (ranks that are still tearing
-            # down when the first one exits may be signalled again: their exit codes do not tell).
-            clean = any(e["event"] == "commit" and e["time"] >= self.preempt_at for e in read_events(self.cfg.run.dir))
+            # Clean when a checkpoint was committed after the signal: a rank exits 75 only once the
+            # collective save has committed (ranks still tearing down when the first one exits may be
+            # killed, so not every exit code tells), or rank 0 logged the commit (in its run.dir: on
+            # another node's pod that may be a directory this launcher does not see).
+            exits = [f.exitcode for f in result.failures.values()] if result is not None else []
+            clean = EXIT_PREEMPTED in exits or any(
+                e["event"] == "commit" and e["time"] >= self.preempt_at for e in read_events(self.cfg.run.dir))
             code, outcome = EXIT_PREEMPTED, "preempted" if clean else "preempted (no emergency checkpoint)"
         elif self._error is not None:
             code, outcome = EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"

@@ -271,3 +271,23 @@ def test_stores_listen_on_loopback_only(cache_dir, tmp_path):
     out = finish(proc, timeout=60)
     assert len(addresses) >= 2, (addresses, out[-2000:])  # the rendezvous store and the group's store
     assert all(a.startswith(("127.", "::1:")) for a in addresses), addresses
+
+
+def test_preempted_node_without_rank_0_reports_its_emergency_checkpoint(cache_dir, tmp_path):
+    """Two nodes with their own run.dir (as pods with local run directories) and one checkpoint.dir:
+    both are SIGTERMed; the node without rank 0 never sees rank 0's commit event, and still reports
+    a clean preemption from its rank's exit code."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=pods"]
+    shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=400", "checkpoint.every=1000"]
+    nodes = [launch(tmp_path / f"pod{i}", shared, nproc=1, extra_args=args) for i in range(2)]
+    deadline = time.time() + 90
+    while not any(b["step"] >= 5 for d in tmp_path.glob("pod*/heartbeats-*") for b in read_heartbeats(d).values()):
+        assert time.time() < deadline, "no rank reached step 5 within 90s"
+        time.sleep(0.1)
+    for p in nodes:
+        os.kill(p.pid, signal.SIGTERM)
+    outs = [finish(p, timeout=90) for p in nodes]
+    assert [p.returncode for p in nodes] == [75, 75], outs[0][-2000:] + outs[1][-2000:]
+    outcomes = [read_events(tmp_path / f"pod{i}")[-1]["outcome"] for i in range(2)]
+    assert outcomes == ["preempted", "preempted"], outcomes
