@@ -90,4 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.process import exit_now
+
+    exit_now(main())  # the agent thread may still be in a rendezvous: no teardown around it

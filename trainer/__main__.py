@@ -47,4 +47,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.process import exit_now
+
+    exit_now(main())
