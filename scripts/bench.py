@@ -159,7 +159,7 @@ def main() -> None:
         r["bench_peak"] = peak
         rel = f" | x{r['tokens_per_s'] / base:.2f}" if base else ""
         what = "GPU bf16 peak" if gpu_peak else f"{threads}-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s"
-        print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * mfu(r['tokens_per_s'], peak, nproc):5.1f}% "
+        print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * r['bench_mfu']:5.1f}% "
               f"(vs {what}{' x ' + str(nproc) if nproc > 1 else ''}){rel}")
         return r
 
@@ -238,7 +238,7 @@ def main() -> None:
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             peers[(layers, dim)] = r["flops_per_token"] * r["tokens_per_s"] / peak
             print(f"{f'{layers} layers x {dim}':<34} {r['tokens_per_s']:9,.0f} tok/s | MFU "
-                  f"{100 * r['flops_per_token'] * r['tokens_per_s'] / peak:5.1f}% "
+                  f"{100 * peers[(layers, dim)]:5.1f}% "
                   f"(vs 1-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s)")
 
     print_goals(args.config, ratio, results, peers, cuda)
