@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data.shards import is_local
+from data.shards import is_local, protocols
 from data.stream import BatchWithPositions, TokenStream
 
 START_METHODS = ("fork", "forkserver", "spawn")
@@ -43,8 +43,7 @@ def default_start_method(stream: TokenStream) -> str:
     """fork for local shards and for memory:// (which lives in this process: only a fork's copy has the
     files); forkserver for remote ones (fsspec clients are not fork-safe)."""
     fs = stream.shards.fs
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "fork" if is_local(fs) or "memory" in protocols else "forkserver"
+    return "fork" if is_local(fs) or "memory" in protocols(fs) else "forkserver"
 
 
 def _context(method: str, stream: TokenStream) -> multiprocessing.context.BaseContext:

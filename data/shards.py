@@ -15,10 +15,12 @@ shard is fetched about once per epoch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -80,9 +82,12 @@ def join(root: str, name: str) -> str:
     return root.rstrip("/") + "/" + name
 
 
+def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocols
+    return "file" in protocols(fs)
 
 
 # Packages whose exceptions mean "the object store could not be used" (connection refused or timed
@@ -97,6 +102,18 @@ def store_unreachable(e: BaseException) -> bool:
         return False
     client = type(e).__module__.split(".")[0] in STORE_CLIENTS
     return client or isinstance(e, (ConnectionError, TimeoutError, PermissionError))
+
+
+@contextlib.contextmanager
+def unreachable_as(error: type[Exception], what: str) -> Iterator[None]:
+    """Inside: an exception that says the storage could not be used (`store_unreachable`) is raised
+    again as `error("<what>: <type>: <message>")`; any other exception passes unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if not store_unreachable(e):
+            raise
+        raise error(f"{what}: {type(e).__name__}: {e}") from e
 
 
 def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -195,15 +212,12 @@ class ShardSet:
         self.fs, self.path = fsspec.core.url_to_fs(root)
         manifest_path = join(self.path, MANIFEST)
         try:
-            text = self.fs.cat_file(manifest_path).decode()
+            with unreachable_as(ShardError, f"cannot read {root}"):
+                text = self.fs.cat_file(manifest_path).decode()
         except FileNotFoundError as e:
             why = f" ({e.args[-1]})" if e.args and "bucket" in str(e.args[-1]).lower() else ""
             raise ShardError(f"no {MANIFEST} in {root}{why}: not a prepared dataset (run `python -m data.prepare`)"
                              ) from e
-        except Exception as e:
-            if not store_unreachable(e):
-                raise
-            raise ShardError(f"cannot read {root}: {type(e).__name__}: {e}") from e
         self.manifest = Manifest.from_json(text, join(root, MANIFEST))
         self._setup(verified=set())
 

@@ -60,7 +60,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.checkpoint.api import CheckpointException as CheckpointException_
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from data.shards import store_unreachable
+from data.shards import store_unreachable, unreachable_as
 from trainer import ckpt_storage as storage
 from trainer.ckpt_storage import CheckpointError
 from trainer.parallel import DistInfo
@@ -191,12 +191,8 @@ def verify(path: str, rank: int = 0, world: int = 1, spool: str | None = None) -
     the load to read instead of downloading them again. Without room for the copy, a file is checked
     remotely as without `spool`. A file that cannot be read (EIO) is a problem like a corrupt one;
     storage that cannot be reached at all raises CheckpointError (no step is usable or unusable then)."""
-    try:
+    with unreachable_as(CheckpointError, f"cannot read checkpoint storage at {path}"):
         return _verify_files(path, rank, world, spool)
-    except Exception as e:
-        if not store_unreachable(e):
-            raise
-        raise CheckpointError(f"cannot read checkpoint storage at {path}: {type(e).__name__}: {e}") from e
 
 
 def _verify_files(path: str, rank: int, world: int, spool: str | None) -> str:
@@ -212,7 +208,7 @@ def _verify_files(path: str, rank: int, world: int, spool: str | None) -> str:
         if _verifier(name, i, world) != rank:
             continue
         try:
-            problem = _verify_file(fs, path, name, want, spool)
+            problem = _verify_file(fs, p, path, name, want, spool)
         except OSError as e:
             if store_unreachable(e):
                 raise
@@ -229,9 +225,8 @@ def _verify_files(path: str, rank: int, world: int, spool: str | None) -> str:
     return ""
 
 
-def _verify_file(fs, path: str, name: str, want: dict, spool: str | None) -> str:
-    """One committed file of `path`: '' if its size and checksum match `want`, else the problem."""
-    p = storage.filesystem(path)[1]
+def _verify_file(fs, p: str, path: str, name: str, want: dict, spool: str | None) -> str:
+    """One committed file of `path` (`p` within `fs`): '' if its size and checksum match `want`, else the problem."""
     full = f"{p}/{name}"
     if not fs.exists(full):
         return f"{path}/{name} is missing"
@@ -480,7 +475,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ discover, verify, load
     def committed_steps(self) -> list[int]:
         fs, p = storage.filesystem(self.root)
-        try:
+        with unreachable_as(CheckpointError, f"cannot reach checkpoint storage {self.root}"):
             if not fs.exists(p):
                 return []
             steps = []
@@ -488,10 +483,6 @@ class Checkpointer:
                 m = STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
                 if m and fs.exists(f"{entry.rstrip('/')}/{COMMIT}"):
                     steps.append(int(m.group(1)))
-        except Exception as e:
-            if not store_unreachable(e):
-                raise
-            raise CheckpointError(f"cannot reach checkpoint storage {self.root}: {type(e).__name__}: {e}") from e
         return sorted(steps)
 
     def _verify_share(self, step: int) -> str:
