@@ -504,16 +504,24 @@ class Checkpointer:
             self._spool[2]()
             self._spool = None
 
-    def discover_latest(self) -> int | None:
-        """Newest committed step that verifies on every rank; the same answer on every rank."""
+    def list_committed(self) -> list[int]:
+        """Collective `committed_steps()`: rank 0 lists, every rank gets the list, or every rank raises
+        CheckpointError (not left to a collective timeout) when listing fails."""
         listing = None
         if self.info.is_main:
             try:
-                listing = ("", list(reversed(self.committed_steps())))
-            except Exception as e:  # noqa: BLE001 - said on every rank below, not left to a collective timeout
+                listing = ("", self.committed_steps())
+            except Exception as e:  # noqa: BLE001 - said on every rank below
                 listing = (str(e) if isinstance(e, CheckpointError) else f"listing {self.root}: {e!r}", [])
-        error, candidates = self._broadcast(listing)
-        for step in candidates if not error else []:
+        error, steps = self._broadcast(listing)
+        if error:
+            raise CheckpointError(error)
+        return steps
+
+    def discover_latest(self) -> int | None:
+        """Newest committed step that verifies on every rank; the same answer on every rank."""
+        error = ""
+        for step in reversed(self.list_committed()):
             try:
                 problem = self._verify_share(step)
             except Exception as e:  # noqa: BLE001 - storage unreachable (or a bug): stop on every rank

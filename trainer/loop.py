@@ -148,7 +148,7 @@ def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
     ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit)
     state = checkpoint.TrainState(world=info.world, config_sha256=cfg.sha256())
     heartbeat.beat("load", t_load=time.time())
-    if ck.resume == "never" and (existing := ckpt.committed_steps()):
+    if ck.resume == "never" and (existing := ckpt.list_committed()):
         raise checkpoint.CheckpointError(
             f"checkpoint.resume=never, but {cfg.checkpoint_dir} holds committed step(s) {existing}: set another "
             "checkpoint.dir (or run.dir), or delete them to start over")
