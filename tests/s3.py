@@ -34,6 +34,18 @@ def s3_endpoint():
                 os.environ[k] = v
 
 
+SECRET = "s3cr3t-never-printed"  # the secret key in unreachable_env: no output may contain it
+
+
+def unreachable_env() -> dict[str, str]:
+    """A child environment whose S3 endpoint nobody listens on (a closed loopback port), with dummy
+    credentials and no retries, so that a client fails at once."""
+    from conftest import child_env, free_port
+
+    return {**child_env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "AKIDTEST",
+            "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_MAX_ATTEMPTS": "1", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 @pytest.fixture
 def s3_bucket(s3_endpoint) -> str:
     """A fresh, empty bucket; returns its URL (s3://name)."""

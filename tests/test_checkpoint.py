@@ -354,14 +354,15 @@ def test_resume_never_refuses_a_directory_with_committed_steps(cache_dir, tmp_pa
 
 
 def test_unreachable_checkpoint_storage_is_one_clear_line(cache_dir, tmp_path):
-    env = {**child_env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "AKIDTEST",
-           "AWS_SECRET_ACCESS_KEY": "s3cr3t-never-printed", "AWS_MAX_ATTEMPTS": "1", "AWS_DEFAULT_REGION": "us-east-1"}
+    from s3 import SECRET, unreachable_env
+
+    env = unreachable_env()
     proc = subprocess.run(trainer_cmd(1, SMOKE, [f"run.dir={tmp_path}", "train.steps=2", "log.progress=false",
                                                  "checkpoint.dir=s3://rekindle-unreachable/ckpt"]),
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "error: cannot reach checkpoint storage s3://rekindle-unreachable/ckpt" in proc.stderr
-    assert "s3cr3t" not in proc.stdout + proc.stderr
+    assert SECRET not in proc.stdout + proc.stderr
 
 
 def test_retention_keeps_newest_and_milestones(tmp_path):

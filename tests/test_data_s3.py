@@ -117,11 +117,11 @@ def test_unreachable_endpoint_is_one_clear_line(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO, SMOKE, child_env, free_port
+    from conftest import REPO, SMOKE
+    from s3 import SECRET, unreachable_env
 
     (tmp_path / "a.txt").write_text("print('hello')\n" * 50)
-    env = {**child_env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "AKIDTEST",
-           "AWS_SECRET_ACCESS_KEY": "s3cr3t-never-printed", "AWS_MAX_ATTEMPTS": "1", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = unreachable_env()
     prep = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "a.txt"), "--output",
                            "s3://rekindle-unreachable/ds", "--vocab-size", "300", "--no-progress"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -131,5 +131,5 @@ def test_unreachable_endpoint_is_one_clear_line(tmp_path):
     assert prep.returncode == 2 and "error: object storage unusable" in prep.stderr
     assert train.returncode == 1 and "error: cannot read s3://rekindle-unreachable/ds" in train.stderr
     for proc in (prep, train):
-        assert "Traceback" not in proc.stderr and "s3cr3t" not in proc.stderr + proc.stdout
+        assert "Traceback" not in proc.stderr and SECRET not in proc.stderr + proc.stdout
         assert "Could not connect to the endpoint URL" in proc.stderr
