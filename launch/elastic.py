@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -35,7 +36,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from launch.ledger import Ledger, format_summary, read_events
+from launch.ledger import Ledger, format_summary
 from launch.policy import EXIT_FAILED, Decision, Failure, RestartPolicy
 from launch.watchdog import Watchdog, proc_stat
 from trainer.config import Config
@@ -355,18 +356,28 @@ class Supervisor:
             self.watchdog.remove()
         return self._finish()
 
+    def _committed_since(self, t: float) -> bool:
+        """Whether the checkpoint store holds a step committed at or after unix time `t`. Asked of the
+        store itself, which every node shares: exit codes do not tell (ranks still tearing down when the
+        first one exits may be killed), and rank 0's `commit` events are in its own run.dir, which on
+        another node's pod this launcher does not see."""
+        from trainer.checkpoint import Checkpointer, read_commit, step_dir
+        from trainer.parallel import DistInfo
+
+        root = self.cfg.checkpoint_dir
+        try:
+            steps = Checkpointer(root, DistInfo(0, 1, 0, torch.device("cpu"), "gloo")).committed_steps()
+            return bool(steps) and read_commit(step_dir(root, steps[-1]))["time"] >= t
+        except Exception as e:  # noqa: BLE001 - unreadable store: say so, and count it as not committed
+            say(f"could not check {root} for the emergency checkpoint: {type(e).__name__}: {e}")
+            return False
+
     def _finish(self) -> int:
         result, summary = self._result, self.ledger.summary()
         if result is not None and result.state == WorkerState.SUCCEEDED:
             code, outcome = 0, "done"
         elif self.preempt_at is not None:
-            # Clean when a checkpoint was committed after the signal: a rank exits 75 only once the
-            # collective save has committed (ranks still tearing down when the first one exits may be
-            # killed, so not every exit code tells), or rank 0 logged the commit (in its run.dir: on
-            # another node's pod that may be a directory this launcher does not see).
-            exits = [f.exitcode for f in result.failures.values()] if result is not None else []
-            clean = EXIT_PREEMPTED in exits or any(
-                e["event"] == "commit" and e["time"] >= self.preempt_at for e in read_events(self.cfg.run.dir))
+            clean = self._committed_since(self.preempt_at)
             code, outcome = EXIT_PREEMPTED, "preempted" if clean else "preempted (no emergency checkpoint)"
         elif self._error is not None:
             code, outcome = EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"

@@ -280,7 +280,7 @@ def test_stores_listen_on_loopback_only(cache_dir, tmp_path):
 def test_preempted_node_without_rank_0_reports_its_emergency_checkpoint(cache_dir, tmp_path):
     """Two nodes with their own run.dir (as pods with local run directories) and one checkpoint.dir:
     both are SIGTERMed; the node without rank 0 never sees rank 0's commit event, and still reports
-    a clean preemption from its rank's exit code."""
+    a clean preemption: it asks the shared checkpoint store."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=pods"]
     shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=400", "checkpoint.every=1000"]
