@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import random
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 from data import tokenizer as tokenizers_
 from data.prepare import prepare
 from data.shards import MANIFEST
+
+log = logging.getLogger("rekindle.data")
 
 CORPUS_VERSION = 1
 
@@ -45,7 +48,7 @@ def source_files(max_bytes: int, root: Path | None = None) -> list[Path]:
     return chosen
 
 
-def _read(path: Path) -> str:
+def read_source(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
@@ -71,7 +74,7 @@ def ensure_builtin(vocab_size: int, megabytes: float, cache_dir: str | Path | No
         if (out / MANIFEST).exists():
             return out
         if progress:
-            print(f"[data] building the built-in corpus: {len(files)} stdlib files -> {out}", file=sys.stderr)
-        tok = tokenizers_.train((_read(p) for p in files), vocab_size)
-        prepare((_read(p) for p in files), str(out), tok, progress=progress, total_docs=len(files))
+            log.info("building the built-in corpus: %d stdlib files -> %s", len(files), out)
+        tok = tokenizers_.train((read_source(p) for p in files), vocab_size)
+        prepare((read_source(p) for p in files), str(out), tok, progress=progress, total_docs=len(files))
     return out

@@ -19,11 +19,8 @@ torch already imported, so each worker still starts in milliseconds; it opens it
 from __future__ import annotations
 
 import copy
-import ctypes
 import multiprocessing
-import os
 import signal
-import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,8 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data.shards import is_local, protocols
 from data.stream import BatchWithPositions, TokenStream
+from trainer.process import die_with_parent
+from trainer.storage import is_local, protocols
 
 START_METHODS = ("fork", "forkserver", "spawn")
 MESSAGE_TOKENS = 1 << 16  # a worker sends batches in groups of at least this many tokens (up to 16 batches)
@@ -91,18 +89,16 @@ def _die_with_parent(worker_id: int) -> None:
     # SIGTERM (Slurm sends it to every process) is for the rank to act on: it finishes its step and saves.
     # A worker that died of it first would make the rank's DataLoader raise in the middle of that.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if sys.platform != "linux":
-        return
     # The OS parent is the rank (fork) or the fork server, which exits when the rank does.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     parent = multiprocessing.parent_process()  # the rank, whatever the start method
-    if parent is not None and not parent.is_alive():  # it died before the line above took effect
-        os._exit(1)
+    die_with_parent(lambda: parent is None or parent.is_alive())
 
 
 def _as_is(batch: list[tuple[np.ndarray, ...]]) -> list[tuple[np.ndarray, ...]]:
     """collate_fn: keep numpy arrays, which pickle by value (one memcpy); torch tensors would cross to
-    the main process through a shared-memory segment and file descriptor per tensor, ~1 ms each."""
+    the main process through a shared-memory segment and file descriptor per tensor, a fixed cost per
+    tensor that outweighs pickling a batch's bytes by value (docs/performance.md, "Data loading and
+    checkpoint I/O")."""
     return batch
 
 
@@ -139,8 +135,9 @@ class BatchLoader:
         self.stream, self.num_workers, self.prefetch_factor = stream, num_workers, prefetch_factor
         self.with_positions, self.timeout_s = with_positions, timeout_s
         self.start_method = start_method or default_start_method(stream)
-        # Batches per message from a worker: enough tokens that the per-message cost (~1 ms of pickling,
-        # pipe and wake-ups) stays small next to the data; 1 without workers.
+        # Batches per message from a worker: enough tokens that the fixed per-message cost (pickling,
+        # pipe and wake-ups; docs/performance.md, "Data loading and checkpoint I/O") stays small next
+        # to the data; 1 without workers.
         tokens = stream.local_batch * (stream.seq_len + 1)
         self.group = 1 if num_workers == 0 else max(1, min(16, -(-MESSAGE_TOKENS // tokens)))
 

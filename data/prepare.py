@@ -32,7 +32,9 @@ import numpy as np
 from tqdm import tqdm
 
 from data import tokenizer as tokenizers_
-from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter, store_unreachable
+from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
+from trainer.protocol import EXIT_USAGE
+from trainer.storage import store_unreachable
 
 MAX_SKIPPED_LISTED = 100  # the manifest lists this many skipped items; `skipped_bad` counts them all
 
@@ -306,12 +308,12 @@ def main(argv: list[str] | None = None) -> int:
                            workers=args.workers, stats={"lineage": lineage}, bad=bad)
     except (InputError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except Exception as e:
         if not store_unreachable(e):
             raise
         print(f"error: object storage unusable: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     skipped = f", skipped {bad.count} bad file(s)/line(s)" if bad.count else ""
     print(
         f"wrote {len(manifest.shards)} shard(s), {manifest.total_tokens:,} tokens, "

@@ -15,17 +15,17 @@ shard is fetched about once per epoch.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
 import numpy as np
+
+from trainer.storage import is_local, join, unreachable_as, write_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -78,56 +78,6 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "uint32"
 
 
-def join(root: str, name: str) -> str:
-    return root.rstrip("/") + "/" + name
-
-
-def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-
-
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return "file" in protocols(fs)
-
-
-# Packages whose exceptions mean "the object store could not be used" (connection refused or timed
-# out, bad credentials, a throttled or broken endpoint); a missing file is FileNotFoundError instead.
-STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure")
-
-
-def store_unreachable(e: BaseException) -> bool:
-    """Whether `e` says the storage at a URL could not be reached or used (as opposed to a missing file
-    or a bug), so that callers can report the URL in one clear line."""
-    if isinstance(e, FileNotFoundError):
-        return False
-    client = type(e).__module__.split(".")[0] in STORE_CLIENTS
-    return client or isinstance(e, (ConnectionError, TimeoutError, PermissionError))
-
-
-@contextlib.contextmanager
-def unreachable_as(error: type[Exception], what: str) -> Iterator[None]:
-    """Inside: an exception that says the storage could not be used (`store_unreachable`) is raised
-    again as `error("<what>: <type>: <message>")`; any other exception passes unchanged."""
-    try:
-        yield
-    except Exception as e:
-        if not store_unreachable(e):
-            raise
-        raise error(f"{what}: {type(e).__name__}: {e}") from e
-
-
-def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Local: write a temp file and rename. Object stores have no rename; a PUT is atomic per object."""
-    if is_local(fs):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-        fs.mv(tmp, path)
-    else:
-        with fs.open(path, "wb") as f:
-            f.write(data)
-
-
 class ShardWriter:
     """Accumulates tokenized documents and cuts a shard each time `shard_tokens` is reached."""
 
@@ -171,8 +121,8 @@ class ShardWriter:
         offsets = np.cumsum([0] + [len(d) for d in self._pending[:-1]], dtype=np.int64)
         name = f"shard-{len(self.shards):05d}"
         data = tokens.tobytes()
-        _atomic_write(self.fs, join(self.path, name + ".bin"), data)
-        _atomic_write(self.fs, join(self.path, name + ".idx"), offsets.tobytes())
+        write_file(self.fs, join(self.path, name + ".bin"), data)
+        write_file(self.fs, join(self.path, name + ".idx"), offsets.tobytes())
         self._counts += np.bincount(tokens, minlength=self.vocab_size)[: self.vocab_size]
         self.shards.append(ShardInfo(name, len(tokens), len(offsets), hashlib.sha256(data).hexdigest()))
         self._pending, self._pending_tokens = [], 0
@@ -181,7 +131,7 @@ class ShardWriter:
         self._flush()
         if not self.shards:
             raise ShardError(f"no tokens were written to {self.root}: the input is empty")
-        _atomic_write(self.fs, join(self.path, TOKENIZER), tokenizer_json)
+        write_file(self.fs, join(self.path, TOKENIZER), tokenizer_json)
         p = self._counts[self._counts > 0] / self._counts.sum()
         manifest = Manifest(
             version=FORMAT_VERSION,
@@ -192,7 +142,7 @@ class ShardWriter:
             shards=self.shards,
             stats={"unigram_entropy_nats": float(-(p * np.log(p)).sum()), **(stats or {})},
         )
-        _atomic_write(self.fs, join(self.path, MANIFEST), json.dumps(asdict(manifest), indent=1).encode())
+        write_file(self.fs, join(self.path, MANIFEST), json.dumps(asdict(manifest), indent=1).encode())
         return manifest
 
 

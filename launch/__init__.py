@@ -1,1 +1,12 @@
-"""The elastic launcher: `python -m launch` supervises torchrun's elastic agent (see elastic.py)."""
+"""The launcher: `python -m launch` supervises torchrun's elastic agent on each node.
+
+    __main__     the command line; options: what it asked for (LaunchOptions)
+    supervisor   one node's launcher: composes the parts below, decides the outcome and exit code
+    agent        torchrun's LocalElasticAgent with the supervisor's hooks (the only file touching its internals)
+    rendezvous   the c10d rendezvous (loopback-only store on one node) and the worker spec
+    failures     failure attribution: pure functions over what torchelastic reported
+    watchdog     hang detection from the ranks' heartbeat records
+    policy       restart, back off, or stop (budget, crash loop, bad input)
+    ledger       events.jsonl and the end-of-run accounting (goodput, cost)
+    cluster/     Slurm and Kubernetes recipes
+"""

@@ -1,5 +1,5 @@
 """Command line: `python -m launch [options] CONFIG [key=value ...]` trains CONFIG under the
-supervisor (see launch/elastic.py): restarts on crashes, kills and hangs, resumes from the last
+supervisor (launch/supervisor.py): restarts on crashes, kills and hangs, resumes from the last
 committed checkpoint, stops on a crash loop, checkpoints and exits 75 on SIGTERM."""
 
 from __future__ import annotations
@@ -7,6 +7,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from trainer import logs
+from trainer.protocol import EXIT_USAGE
+
+log = logs.get_logger(root=logs.LAUNCHER)
 
 EPILOG = """exit codes: 0 done | 1 failed (restart budget spent, or launcher error) | 2 bad config or input |
 3 crash loop (the same failure at the same step again and again) | 75 preempted (emergency checkpoint
@@ -57,7 +62,7 @@ def parse_args(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from launch.policy import EXIT_USAGE
+    logs.setup(logs.LAUNCHER, stream=sys.stderr)
     from trainer.config import ConfigError, load, validate
 
     try:
@@ -67,22 +72,23 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= min_nodes <= max_nodes or nproc < 1:
             raise ValueError
     except ValueError:
-        print(f"launch: --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, and --nproc-per-node N >= 1, auto, "
-              f"gpu (with GPUs) or cpu; got {args.nnodes!r}, {args.nproc_per_node!r}", file=sys.stderr)
+        log.error(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, and --nproc-per-node N >= 1, auto, "
+                  f"gpu (with GPUs) or cpu; got {args.nnodes!r}, {args.nproc_per_node!r}")
         return EXIT_USAGE
     try:
         conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if kv)
     except ValueError:
-        print(f"launch: --rdzv-conf must be k=v,k=v; got {args.rdzv_conf!r}", file=sys.stderr)
+        log.error(f"--rdzv-conf must be k=v,k=v; got {args.rdzv_conf!r}")
         return EXIT_USAGE
     try:
         cfg = load(args.config, args.overrides)
         validate(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        log.error(f"config: {e}")
         return EXIT_USAGE
 
-    from launch.elastic import LaunchOptions, Supervisor
+    from launch.options import LaunchOptions
+    from launch.supervisor import Supervisor
 
     opts = LaunchOptions(args.config, args.overrides, nproc, min_nodes, max_nodes, args.max_restarts,
                          args.rdzv_endpoint, args.rdzv_id, conf, args.local_addr)

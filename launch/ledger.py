@@ -1,5 +1,5 @@
 """The run's event ledger (`run.dir/events.jsonl`, shared with the trainer's `commit` events) and
-the end-of-run accounting: restarts, lost steps, recovery times and goodput.
+the end-of-run accounting: restarts, lost steps, recovery times, goodput and cost.
 
 Goodput = productive step time / wall time. Productive time is the time ranks spent in training
 steps whose results survived: steps redone after a restart (lost steps) and all start-up, loading,
@@ -7,7 +7,6 @@ eval and checkpoint time count as unproductive."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -15,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.fault import append_event
+from trainer.cost import cost_report
+from trainer.protocol import append_event
 
 
 @dataclass
@@ -116,12 +116,15 @@ class Ledger:
             "final_step": self.attempts[-1].last_step if self.attempts else 0,
         }
 
-
-def read_events(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    def done(self, exit_code: int, outcome: str, devices: int = 1, tokens_per_step: int = 0,
+             price: float = 0.0) -> dict:
+        """Write the `done` event: the summary, plus what this node cost when `price` (per device-hour) is set."""
+        summary = self.summary()
+        if price:
+            summary["cost"] = cost_report(devices, summary["wall_s"], summary["steps_kept"] * tokens_per_step,
+                                          summary["lost_s"], price)
+        self.event("done", exit_code=exit_code, outcome=outcome, **summary)
+        return summary
 
 
 def format_summary(s: dict) -> str:

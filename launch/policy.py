@@ -6,29 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EXIT_FAILED = 1  # restart budget spent, or a failure that restarting cannot fix
-EXIT_USAGE = 2  # bad command line or config (and workers that exit 2: bad input)
-EXIT_CRASH_LOOP = 3  # the same failure at the same step again and again
-
-
-@dataclass(frozen=True)
-class Failure:
-    rank: int
-    cause: str  # exit | signal | hang | preemption
-    step: int  # the step that was running (last finished step + 1)
-    exit_code: int | None = None
-    signal: str | None = None
-    message: str = ""  # one line: the exception, the signal, or the hang diagnosis
-    key: str = ""  # what makes two failures the same (default: the message; a hang's names no pid or seconds)
-
-    def signature(self) -> tuple:
-        return self.cause, self.exit_code, self.signal, self.step, self.key or self.message
-
-    def describe(self) -> str:
-        how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",
-               "hang": "hung", "preemption": "was preempted (SIGTERM)"}[self.cause]
-        text = f"rank {self.rank} {how} at step {self.step}"
-        return f"{text}: {self.message}" if self.message else text
+from launch.failures import Failure
+from trainer.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_USAGE
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Hang detection for one node's ranks: reads the heartbeat records the trainer rewrites after every
-step (`trainer.fault.Heartbeat`) and declares a rank hung when no step has finished for
+step (`trainer.protocol.Heartbeat`) and declares a rank hung when no step has finished for
 `hang_timeout_s`. It arms only once a rank has finished its first step of the current attempt
 (start-up, compile and checkpoint loading are not steps), and it says *why* a rank is stuck:
 stopped (SIGSTOP, state T), spinning (busy CPU), or waiting (asleep in a collective or in I/O)."""
@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.fault import read_heartbeats
+from trainer.process import proc_stat
+from trainer.protocol import read_heartbeats
 
 
 @dataclass
@@ -29,15 +30,6 @@ class Hang:
                 "waiting": "is waiting (in a collective or I/O)", "gone": "has vanished"}[self.state]
         return (f"rank {self.rank} (pid {self.pid}) {what}: no step finished for {self.stale_s:.1f}s "
                 f"after step {self.step}")
-
-
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, utime + stime in clock ticks) of a process, or None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[11]) + int(fields[12])
 
 
 class Watchdog:
@@ -63,8 +55,13 @@ class Watchdog:
         """The most likely culprit when some armed rank has not finished a step within the timeout."""
         now = time.time() if now is None else now
         beats = self.beats(attempt)
-        stale = [b for b in beats.values() if b.get("t_first") and now - b["t"] > self.hang_timeout_s]
-        hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now)) for b in stale]
+        armed = [b for b in beats.values() if b.get("t_first")]
+        hangs = []
+        if any(now - b["t"] > self.hang_timeout_s for b in armed):
+            # A stopped rank (SIGSTOP, a debugger) is the culprit even when its last step ended a moment
+            # after the overdue rank's: that rank waits for it in the next collective.
+            hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now)) for b in armed]
+            hangs = [h for h in hangs if h.stale_s > self.hang_timeout_s or h.state == "stopped"]
         for b in beats.values():  # CPU time sampled about once a second tells spinning from waiting
             stat = proc_stat(b["pid"])
             if stat and now - self._cpu.get(b["pid"], (0.0, 0))[0] >= 1.0:

@@ -34,27 +34,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
+import bench_step  # a sibling script: scripts/ is sys.path[0] when run as `python scripts/bench.py`
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import bench_step  # noqa: E402
-
-from trainer import config as config_  # noqa: E402
-from trainer import host  # noqa: E402
-from trainer.metrics import (  # noqa: E402
+from trainer import config as config_
+from trainer import host
+from trainer.metrics import (
     BREAKDOWN,
     GPU_PEAK_BF16,
     format_breakdown,
     measure_matmul_peak,
     nominal_gpu_peak,
 )
-from trainer.model import ModelArgs, Transformer  # noqa: E402
+from trainer.model import Transformer
+from trainer.testing import free_port
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def cpu_peak(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
@@ -76,13 +73,8 @@ def run_trainer(config: str, overrides: list[str], steps: int, window: int, npro
         if nproc == 1:
             cmd = [sys.executable, "-m", "trainer", *args]
         else:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", "-m", "trainer", *args]
+                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", "-m", "trainer", *args]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                    PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -98,7 +90,7 @@ def run_trainer(config: str, overrides: list[str], steps: int, window: int, npro
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (about 3-5 minutes on 2 cores)")
@@ -107,141 +99,165 @@ def main() -> None:
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc,peer")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. model.n_layers=6")
-    args = ap.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    steps, window, rounds = (20, 5, 2) if args.quick else (50, 10, 3)
-    cfg = config_.load(REPO / args.config, args.overrides)
-    config = str(REPO / args.config)
-    model = Transformer(ModelArgs(**asdict(cfg.model)))
-    flops_per_token = model.flops_per_token()
-    del model
-    cores = os.cpu_count() or 1
-    cuda = torch.cuda.is_available()
-    print(f"# rekindle bench ({'quick' if args.quick else 'full'}) | {args.config} {' '.join(args.overrides)}")
-    print(f"model: dim {cfg.model.dim} x {cfg.model.n_layers} layers, seq {cfg.model.seq_len}, vocab "
-          f"{cfg.model.vocab_size}, {flops_per_token / 1e6:.1f} MFLOPs/token | global batch {cfg.train.global_batch} "
-          f"(micro {cfg.train.micro_batch}) | torch {torch.__version__} | {cores} CPU(s)"
-          + (f" | GPU {torch.cuda.get_device_name(0)}" if cuda else ""))
+    return ap.parse_args()
 
-    # 1. peaks
-    print("\n## matmul peak (best of several windows)")
-    for threads in sorted({1, cores, args.threads or cores}):
-        fp32, bf16 = cpu_peak(threads), cpu_peak(threads, torch.bfloat16, 0.6)
-        print(f"CPU {threads} thread(s): fp32 {fp32 / 1e9:8,.1f} GFLOP/s | bf16 {bf16 / 1e9:8,.1f} GFLOP/s")
-    gpu_peak = 0.0
-    if cuda:
-        gpu_peak = measure_matmul_peak(1.0, 8192, torch.bfloat16, device="cuda")
-        name = torch.cuda.get_device_name(0)
-        nominal = nominal_gpu_peak(name)[1]
-        print(f"GPU bf16 8192^3: {gpu_peak / 1e12:,.1f} TFLOP/s measured | nominal dense bf16 "
-              f"{nominal / 1e12:,.0f} TFLOP/s ({100 * gpu_peak / nominal:.0f}% of nominal)" if nominal else
-              f"GPU bf16 8192^3: {gpu_peak / 1e12:,.1f} TFLOP/s measured (no nominal peak known for {name})")
-    print("nominal dense bf16 peaks (MFU on a GPU is reported against these): "
-          + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in GPU_PEAK_BF16.items()) + " TFLOP/s")
 
-    def peak_around(run, threads: int):
+class Bench:
+    """One benchmark session: the config, the run lengths, the peaks; each section prints its part."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.skip = args, set(filter(None, args.skip.split(",")))
+        self.steps, self.window, self.rounds = (20, 5, 2) if args.quick else (50, 10, 3)
+        self.cfg = config_.load(REPO / args.config, args.overrides)
+        self.config = str(REPO / args.config)
+        self.flops_per_token = Transformer(self.cfg.model).flops_per_token()
+        self.cores = os.cpu_count() or 1
+        self.cuda = torch.cuda.is_available()
+        self.gpu_peak = 0.0
+        self.results: dict[str, dict] = {}
+
+    def header(self) -> None:
+        cfg, args = self.cfg, self.args
+        print(f"# rekindle bench ({'quick' if args.quick else 'full'}) | {args.config} {' '.join(args.overrides)}")
+        print(f"model: dim {cfg.model.dim} x {cfg.model.n_layers} layers, seq {cfg.model.seq_len}, vocab "
+              f"{cfg.model.vocab_size}, {self.flops_per_token / 1e6:.1f} MFLOPs/token | global batch "
+              f"{cfg.train.global_batch} (micro {cfg.train.micro_batch}) | torch {torch.__version__} | "
+              f"{self.cores} CPU(s)" + (f" | GPU {torch.cuda.get_device_name(0)}" if self.cuda else ""))
+
+    def peaks(self) -> None:
+        """1. matmul peaks, CPU per thread count and the GPU's, next to the nominal GPU peaks."""
+        print("\n## matmul peak (best of several windows)")
+        for threads in sorted({1, self.cores, self.args.threads or self.cores}):
+            fp32, bf16 = cpu_peak(threads), cpu_peak(threads, torch.bfloat16, 0.6)
+            print(f"CPU {threads} thread(s): fp32 {fp32 / 1e9:8,.1f} GFLOP/s | bf16 {bf16 / 1e9:8,.1f} GFLOP/s")
+        if self.cuda:
+            self.gpu_peak = measure_matmul_peak(1.0, 8192, torch.bfloat16, device="cuda")
+            name = torch.cuda.get_device_name(0)
+            nominal = nominal_gpu_peak(name)[1]
+            print(f"GPU bf16 8192^3: {self.gpu_peak / 1e12:,.1f} TFLOP/s measured | nominal dense bf16 "
+                  f"{nominal / 1e12:,.0f} TFLOP/s ({100 * self.gpu_peak / nominal:.0f}% of nominal)" if nominal else
+                  f"GPU bf16 8192^3: {self.gpu_peak / 1e12:,.1f} TFLOP/s measured (no nominal peak known for {name})")
+        print("nominal dense bf16 peaks (MFU on a GPU is reported against these): "
+              + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in GPU_PEAK_BF16.items()) + " TFLOP/s")
+
+    def peak_around(self, run, threads: int):
         """run() with the peak measured right before and right after it (CPU; on a GPU the measured
         bf16 peak): returns (run's result, the higher of the two peaks)."""
-        if gpu_peak:
-            return run(), gpu_peak
+        if self.gpu_peak:
+            return run(), self.gpu_peak
         before = cpu_peak(threads)
         result = run()
         return result, max(before, cpu_peak(threads))
 
-    def mfu(tps: float, peak: float, ranks: int = 1) -> float:
-        return flops_per_token * tps / (peak * ranks)
+    def mfu(self, tps: float, peak: float, ranks: int = 1) -> float:
+        return self.flops_per_token * tps / (peak * ranks)
 
-    def trainer_row(label: str, overrides: list[str], threads: int = 1, nproc: int = 1,
+    def trainer_row(self, label: str, overrides: list[str], threads: int = 1, nproc: int = 1,
                     base: float | None = None) -> dict:
-        r, peak = peak_around(lambda: run_trainer(config, overrides, steps, window, nproc=nproc, threads=threads),
-                              threads)
-        r["bench_mfu"] = mfu(r["tokens_per_s"], peak, nproc)
+        r, peak = self.peak_around(lambda: run_trainer(self.config, overrides, self.steps, self.window, nproc=nproc,
+                                                       threads=threads), threads)
+        r["bench_mfu"] = self.mfu(r["tokens_per_s"], peak, nproc)
         r["bench_peak"] = peak
         rel = f" | x{r['tokens_per_s'] / base:.2f}" if base else ""
-        what = "GPU bf16 peak" if gpu_peak else f"{threads}-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s"
+        what = "GPU bf16 peak" if self.gpu_peak else f"{threads}-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s"
         print(f"{label:<34} {r['tokens_per_s']:9,.0f} tok/s | MFU {100 * r['bench_mfu']:5.1f}% "
               f"(vs {what}{' x ' + str(nproc) if nproc > 1 else ''}){rel}")
         return r
 
-    # 2. trainer vs bare loop (in this process, same threads; the bare loop gets the same allocator settings)
-    ratio, peers = None, {}
-    if "ratio" not in skip:
-        torch.set_num_threads(args.threads or cores)
+    def trainer_vs_bare(self) -> float | None:
+        """2. in this process, same threads; the bare loop gets the same allocator settings."""
+        if "ratio" in self.skip:
+            return None
+        torch.set_num_threads(self.args.threads or self.cores)
         print(f"\n## trainer vs bare PyTorch loop (1 process, {torch.get_num_threads()} thread(s), "
-              f"{steps * 2} steps x {rounds} round(s))")
+              f"{self.steps * 2} steps x {self.rounds} round(s))")
         host.tune_malloc()
-        bench_step.WINDOW = window
+        bench_step.WINDOW = self.window
         bare, ours = [], []
 
         def rounds_of_both() -> None:
-            for r in range(rounds):
-                b = bench_step.bare_loop(cfg, steps * 2)
-                o = bench_step.trainer_loop(cfg, steps * 2)
+            for r in range(self.rounds):
+                b = bench_step.bare_loop(self.cfg, self.steps * 2)
+                o = bench_step.trainer_loop(self.cfg, self.steps * 2)
                 print(f"round {r + 1}: bare {statistics.median(b):8,.0f} tok/s | "
                       f"trainer {statistics.median(o):8,.0f} tok/s")
                 bare.extend(b)
                 ours.extend(o)
 
-        _, peak = peak_around(rounds_of_both, torch.get_num_threads())
+        _, peak = self.peak_around(rounds_of_both, torch.get_num_threads())
         ratio = statistics.median(ours) / statistics.median(bare)
         print(f"ratio trainer/bare {ratio:.3f} (goal >= 0.95) | bare-loop MFU "
-              f"{100 * mfu(statistics.median(bare), peak):.1f}%")
+              f"{100 * self.mfu(statistics.median(bare), peak):.1f}%")
+        return ratio
 
-    # 3-4. MFU and ranks
-    print(f"\n## trainer runs ({steps} steps, median over windows of {window}; MFU vs the peak measured around "
-          "each run)")
-    base1 = trainer_row("1 rank x 1 thread", args.overrides)
-    results = {"1x1": base1}
-    if cuda and torch.cuda.device_count() < 2:
-        skip.add("ranks")  # one GPU: no second rank to compare with
-    if cores > 1 and not cuda:
-        results["1xN"] = trainer_row(f"1 rank x {cores} threads", args.overrides, threads=cores,
-                                     base=base1["tokens_per_s"])
-    if (cores > 1 or cuda) and "ranks" not in skip:
-        r2 = trainer_row(f"2 ranks x 1 thread (FSDP2, {'nccl' if cuda else 'gloo'})", args.overrides, nproc=2,
-                         base=base1["tokens_per_s"])
-        results["2x1"] = r2
-        print(f"2-rank scaling efficiency {100 * r2['tokens_per_s'] / (2 * base1['tokens_per_s']):.0f}% "
-              f"(tokens/s of 2 ranks / twice 1 rank)")
+    def ranks(self) -> None:
+        """3-4. MFU of 1 rank, 1 rank on every core, 2 ranks."""
+        print(f"\n## trainer runs ({self.steps} steps, median over windows of {self.window}; MFU vs the peak "
+              "measured around each run)")
+        base1 = self.results["1x1"] = self.trainer_row("1 rank x 1 thread", self.args.overrides)
+        if self.cuda and torch.cuda.device_count() < 2:
+            self.skip.add("ranks")  # one GPU: no second rank to compare with
+        if self.cores > 1 and not self.cuda:
+            self.results["1xN"] = self.trainer_row(f"1 rank x {self.cores} threads", self.args.overrides,
+                                                   threads=self.cores, base=base1["tokens_per_s"])
+        if (self.cores > 1 or self.cuda) and "ranks" not in self.skip:
+            r2 = self.results["2x1"] = self.trainer_row(
+                f"2 ranks x 1 thread (FSDP2, {'nccl' if self.cuda else 'gloo'})", self.args.overrides, nproc=2,
+                base=base1["tokens_per_s"])
+            print(f"2-rank scaling efficiency {100 * r2['tokens_per_s'] / (2 * base1['tokens_per_s']):.0f}% "
+                  f"(tokens/s of 2 ranks / twice 1 rank)")
 
-    # 5. speed options, each against the plain 1 x 1 run
-    options = []
-    if "malloc" not in skip:
-        options.append(("dist.tune_malloc=false", ["dist.tune_malloc=false"]))
-    if "ac" not in skip:
-        options += [(f"activation_checkpointing={m}", [f"dist.activation_checkpointing={m}"])
-                    for m in ("selective", "full")]
-    if "compile" not in skip:
-        options.append(("dist.compile=true", ["dist.compile=true"]))
-    if options:
-        print("\n## speed options (1 rank x 1 thread; x = tokens/s relative to the plain run above)")
-    for label, extra in options:
-        results[label] = trainer_row(label, [*args.overrides, *extra], base=base1["tokens_per_s"])
+    def options(self) -> None:
+        """5-6. the speed options, each against the plain 1 x 1 run; then where the step time goes."""
+        options = []
+        if "malloc" not in self.skip:
+            options.append(("dist.tune_malloc=false", ["dist.tune_malloc=false"]))
+        if "ac" not in self.skip:
+            options += [(f"activation_checkpointing={m}", [f"dist.activation_checkpointing={m}"])
+                        for m in ("selective", "full")]
+        if "compile" not in self.skip:
+            options.append(("dist.compile=true", ["dist.compile=true"]))
+        if options:
+            print("\n## speed options (1 rank x 1 thread; x = tokens/s relative to the plain run above)")
+        for label, extra in options:
+            self.results[label] = self.trainer_row(label, [*self.args.overrides, *extra],
+                                                   base=self.results["1x1"]["tokens_per_s"])
+        print("\n## where the step time goes (median per step)")
+        for key, r in self.results.items():
+            if "fwd_bwd_s" in r:
+                print(f"{key:<34} {format_breakdown(r)}")
 
-    # 6. breakdown
-    print("\n## where the step time goes (median per step)")
-    for key, r in results.items():
-        if "fwd_bwd_s" in r:
-            print(f"{key:<34} {format_breakdown(r)}")
-
-    # 7. the peer of the CPU goal, in a fresh process with glibc's default malloc (as nanoGPT runs)
-    if not cuda and "peer" not in skip:
+    def peer(self) -> dict:
+        """7. the peer of the CPU goal, in a fresh process with glibc's default malloc (as nanoGPT runs)."""
+        peers: dict = {}
+        if self.cuda or "peer" in self.skip:
+            return peers
         print("\n## peer: nanoGPT-style GPT-2 loop (scripts/bench_peer.py: eager fp32, batch 8, seq 256, vocab "
-              "8192, 1 thread; FIELD-NOTES: nanoGPT's loop 67% at 4 x 256 and 78% at 6 x 384 on the AVX2 machine)")
+              "8192, 1 thread; where the goal was set, nanoGPT's loop read 67% at 4 x 256 and 78% at 6 x 384)")
         for layers, dim in ((4, 256), (6, 384)):
             cmd = [sys.executable, str(REPO / "scripts" / "bench_peer.py"), f"--layers={layers}", f"--dim={dim}",
-                   f"--steps={steps // 2}"]
-            proc, peak = peak_around(functools.partial(subprocess.run, cmd, capture_output=True, text=True,
-                                                       timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1")), 1)
+                   f"--steps={self.steps // 2}"]
+            proc, peak = self.peak_around(functools.partial(subprocess.run, cmd, capture_output=True, text=True,
+                                                            timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1")),
+                                          1)
             if proc.returncode != 0:
                 raise RuntimeError(f"peer benchmark failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             peers[(layers, dim)] = r["flops_per_token"] * r["tokens_per_s"] / peak
             print(f"{f'{layers} layers x {dim}':<34} {r['tokens_per_s']:9,.0f} tok/s | MFU "
-                  f"{100 * peers[(layers, dim)]:5.1f}% "
-                  f"(vs 1-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s)")
+                  f"{100 * peers[(layers, dim)]:5.1f}% (vs 1-thread fp32 peak {peak / 1e9:,.0f} GFLOP/s)")
+        return peers
 
-    print_goals(args.config, ratio, results, peers, cuda)
+
+def main() -> None:
+    bench = Bench(parse_args())
+    bench.header()
+    bench.peaks()
+    ratio = bench.trainer_vs_bare()
+    bench.ranks()
+    bench.options()
+    peers = bench.peer()
+    print_goals(bench.args.config, ratio, bench.results, peers, bench.cuda)
 
 
 def print_goals(config: str, ratio: float | None, results: dict, peers: dict, cuda: bool) -> None:

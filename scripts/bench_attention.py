@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer import config as config_  # noqa: E402
-from trainer import host  # noqa: E402
-from trainer.model import ModelArgs, Transformer, blocked_causal_attention, causal_bias  # noqa: E402
+from trainer import config as config_
+from trainer import host
+from trainer.model import ModelArgs, Transformer, blocked_causal_attention, causal_bias
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -72,7 +67,7 @@ def training_steps(cfg: config_.Config, rounds: int) -> tuple[float, float]:
     steps = {}
     for name in ("sdpa", "blocked"):
         torch.manual_seed(cfg.run.seed)
-        model = Transformer(ModelArgs(**asdict(cfg.model)))
+        model = Transformer(cfg.model)
         if name == "sdpa":
             model.attn_bias = None  # the model then takes SDPA everywhere
         model.compile()
@@ -106,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if cfg.dist.tune_malloc:
         host.tune_malloc()
-    args = ModelArgs(**asdict(cfg.model))
+    args = cfg.model
     tokens = cfg.train.micro_batch * args.seq_len
     print(f"# attention on CPU, compiled, 1 thread | {a.config} | heads {args.n_heads} (KV {args.kv_heads}), "
           f"head_dim {args.head_dim}, {tokens:,} tokens per batch | torch {torch.__version__}")

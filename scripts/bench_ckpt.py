@@ -23,24 +23,20 @@ import argparse
 import io
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-import fsspec  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from loopback_s3 import start_s3  # noqa: E402  (scripts/ is on sys.path)
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
-
-from trainer.checkpoint import Checkpointer, TrainState  # noqa: E402
-from trainer.model import ModelArgs, Transformer  # noqa: E402
-from trainer.parallel import DistInfo  # noqa: E402
+from trainer.checkpoint import Checkpointer, TrainState
+from trainer.model import ModelArgs, Transformer
+from trainer.parallel import DistInfo
+from trainer.testing import start_s3
 
 SOLO = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 

@@ -27,14 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loopback_s3 import start_s3  # noqa: E402  (scripts/ is on sys.path)
-
-from data import tokenizer as tokenizers_  # noqa: E402
-from data.corpus import _read, source_files  # noqa: E402
-from data.prepare import chunks, prepare  # noqa: E402
-from data.shards import ShardSet  # noqa: E402
+from data import tokenizer as tokenizers_
+from data.corpus import read_source, source_files
+from data.prepare import chunks, prepare
+from data.shards import ShardSet
+from trainer.testing import start_s3
 
 
 def upload(local: Path, url: str) -> str:
@@ -143,7 +140,7 @@ def demo_data_wait(steps: int) -> tuple[float, float]:
     return (statistics.median(r["data_wait_s"] for r in records), statistics.median(r["step_time_s"] for r in records))
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--megabytes", type=float, default=12.0, help="text to prepare (the stdlib has about 12)")
     ap.add_argument("--vocab-size", type=int, default=2048)
@@ -154,10 +151,55 @@ def main() -> int:
     ap.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="process counts for prepare")
     ap.add_argument("--resume-tries", type=int, default=5)
     ap.add_argument("--demo-steps", type=int, default=20, help="steps of the demo config to time (0 = skip)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def prepare_section(tok, docs: list[str], args: argparse.Namespace, tmp: str) -> None:
+    print("\n== data.prepare vs raw encode_batch (same text, same process count, 1 thread per process)")
+    rates = {}
+    for p in args.processes:
+        base, base_cpu = baseline_rate(tok, docs, p)
+        prep, prep_cpu = prepare_rate(tok, docs, p, f"{tmp}/prep{p}", args.shard_tokens)
+        rates[p] = prep
+        print(f"  {p} process(es): prepare {prep:>9,.0f} tok/s   encode_batch {base:>9,.0f} tok/s   "
+              f"ratio {prep / base:.2f}   prepare speed-up vs 1 process {prep / rates[args.processes[0]]:.2f}x"
+              f"   (CPU s: prepare {prep_cpu:.1f}, encode_batch {base_cpu:.1f}; "
+              f"load {os.getloadavg()[0]:.1f})", flush=True)
+
+
+def loader_section(local: str, remote: str, args: argparse.Namespace) -> None:
+    n_shards = len(ShardSet(local).manifest.shards)
+    print(f"\n== loader tokens/s per rank ({n_shards} shards of ~{args.shard_tokens:,} tokens, cold cache)")
+    for workers in (0, 2):
+        (lf, lr), (sf, sr) = loader_rate(local, args, workers), loader_rate(remote, args, workers)
+        print(f"  num_workers={workers}: local {lr:>12,.0f} tok/s   s3 {sr:>12,.0f} tok/s   "
+              f"ratio s3/local {sr / lr:.2f}   (first batch: local {lf * 1e3:.0f} ms, s3 {sf * 1e3:.0f} ms)",
+              flush=True)
+
+
+def resume_section(local: str, remote: str, args: argparse.Namespace) -> None:
+    n_train = make_stream(local, args).n_train
+    early = args.global_batch * 10
+    late = (n_train * 3 + n_train * 9 // 10) // args.global_batch * args.global_batch  # epoch 3, 90%
+    print(f"\n== time to first batch after resume (fresh ShardSet: manifest, order window, shard fetch + "
+          f"checksum; median of {args.resume_tries}, early/late alternating)")
+    for name, root in (("local", local), ("s3", remote)):
+        times: dict[int, list[float]] = {early: [], late: []}
+        opened: dict[int, int] = {}
+        for _ in range(args.resume_tries):
+            for at in (early, late):
+                dt, opened[at] = time_to_first_batch(root, args, at)
+                times[at].append(dt)
+        e, lt = statistics.median(times[early]), statistics.median(times[late])
+        print(f"  {name:5s}: early (sample {early:,}) {e * 1e3:7.1f} ms   late (sample {late:,}) "
+              f"{lt * 1e3:7.1f} ms   ratio late/early {lt / e:.2f}   "
+              f"(shards opened: {opened[early]} / {opened[late]})", flush=True)
+
+
+def main() -> int:
+    args = parse_args()
     files = source_files(int(args.megabytes * 1e6))
-    docs = [_read(p) for p in files]
+    docs = [read_source(p) for p in files]
     print(f"corpus: {len(docs)} stdlib files, {sum(map(len, docs)) / 1e6:.1f} MB; {os.cpu_count()} CPU(s) "
           f"(load average {os.getloadavg()[0]:.1f} at start); seq_len {args.seq_len}, global batch "
           f"{args.global_batch}, rank 0 of 2", flush=True)
@@ -165,46 +207,13 @@ def main() -> int:
     server = start_s3()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            print("\n== data.prepare vs raw encode_batch (same text, same process count, 1 thread per process)")
-            rates = {}
-            for p in args.processes:
-                base, base_cpu = baseline_rate(tok, docs, p)
-                prep, prep_cpu = prepare_rate(tok, docs, p, f"{tmp}/prep{p}", args.shard_tokens)
-                rates[p] = prep
-                print(f"  {p} process(es): prepare {prep:>9,.0f} tok/s   encode_batch {base:>9,.0f} tok/s   "
-                      f"ratio {prep / base:.2f}   prepare speed-up vs 1 process {prep / rates[args.processes[0]]:.2f}x"
-                      f"   (CPU s: prepare {prep_cpu:.1f}, encode_batch {base_cpu:.1f}; "
-                      f"load {os.getloadavg()[0]:.1f})", flush=True)
-
+            prepare_section(tok, docs, args, tmp)
             local = f"{tmp}/prep{args.processes[0]}"
             remote = upload(Path(local), "s3://bench-data/ds")
-            n_shards = len(ShardSet(local).manifest.shards)
-            print(f"\n== loader tokens/s per rank ({n_shards} shards of ~{args.shard_tokens:,} tokens, cold cache)")
-            for workers in (0, 2):
-                (lf, lr), (sf, sr) = loader_rate(local, args, workers), loader_rate(remote, args, workers)
-                print(f"  num_workers={workers}: local {lr:>12,.0f} tok/s   s3 {sr:>12,.0f} tok/s   "
-                      f"ratio s3/local {sr / lr:.2f}   (first batch: local {lf * 1e3:.0f} ms, s3 {sf * 1e3:.0f} ms)",
-                      flush=True)
-
-            n_train = make_stream(local, args).n_train
-            early = args.global_batch * 10
-            late = (n_train * 3 + n_train * 9 // 10) // args.global_batch * args.global_batch  # epoch 3, 90%
-            print(f"\n== time to first batch after resume (fresh ShardSet: manifest, order window, shard fetch + "
-                  f"checksum; median of {args.resume_tries}, early/late alternating)")
-            for name, root in (("local", local), ("s3", remote)):
-                times: dict[int, list[float]] = {early: [], late: []}
-                opened: dict[int, int] = {}
-                for _ in range(args.resume_tries):
-                    for at in (early, late):
-                        dt, opened[at] = time_to_first_batch(root, args, at)
-                        times[at].append(dt)
-                e, lt = statistics.median(times[early]), statistics.median(times[late])
-                print(f"  {name:5s}: early (sample {early:,}) {e * 1e3:7.1f} ms   late (sample {late:,}) "
-                      f"{lt * 1e3:7.1f} ms   ratio late/early {lt / e:.2f}   "
-                      f"(shards opened: {opened[early]} / {opened[late]})", flush=True)
+            loader_section(local, remote, args)
+            resume_section(local, remote, args)
     finally:
         server.stop()
-
     if args.demo_steps:
         print(f"\n== trainer data wait on configs/default.yaml ({args.demo_steps} steps, num_workers=0)")
         wait, step = demo_data_wait(args.demo_steps)

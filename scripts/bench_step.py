@@ -19,20 +19,17 @@ import contextlib
 import copy
 import json
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer import config as config_  # noqa: E402
-from trainer import host  # noqa: E402
-from trainer.loop import lr_at, train  # noqa: E402
-from trainer.model import ModelArgs, Transformer  # noqa: E402
+from trainer import config as config_
+from trainer import host
+from trainer.loop import train
+from trainer.model import Transformer
+from trainer.optim import lr_at
 
 WINDOW = 10
 
@@ -44,7 +41,7 @@ def bare_loop(cfg: config_.Config, steps: int) -> list[float]:
     huge pages after the first step, as in the trainer (dist.tune_malloc)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.run.seed)
-    model = Transformer(ModelArgs(**asdict(cfg.model))).to(device)
+    model = Transformer(cfg.model).to(device)
     t = cfg.train
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

@@ -12,9 +12,9 @@ rendezvous, spawn, import, build), checkpoint load and first step, and the run's
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -22,11 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from trainer.protocol import read_events, read_heartbeats, read_jsonl
 
-from launch.ledger import read_events  # noqa: E402
-from trainer.fault import read_heartbeats  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
 
@@ -59,11 +57,8 @@ def steady_beats(run_dir: Path, min_steps: int) -> dict[int, dict] | None:
 
 
 def metrics(run_dir: Path) -> dict[int, float]:
-    losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        losses[r["step"]] = r["loss"]
-    return losses
+    """Loss by step; a step logged twice (before a kill and after the resume) keeps the last."""
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
 
 
 def final_state(config: str, run_dir: Path, overrides: list[str]) -> tuple[int, dict]:
@@ -71,12 +66,12 @@ def final_state(config: str, run_dir: Path, overrides: list[str]) -> tuple[int, 
 
     from trainer.checkpoint import Checkpointer
     from trainer.config import load
-    from trainer.loop import build_optimizer
-    from trainer.model import ModelArgs, Transformer
+    from trainer.model import Transformer
+    from trainer.optim import build_optimizer
     from trainer.parallel import DistInfo
 
     cfg = load(config, overrides)
-    model = Transformer(ModelArgs(**{k: getattr(cfg.model, k) for k in ModelArgs.__dataclass_fields__}))
+    model = Transformer(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     solo = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     ckpt = Checkpointer(str(run_dir / "checkpoints"), solo)
@@ -84,7 +79,7 @@ def final_state(config: str, run_dir: Path, overrides: list[str]) -> tuple[int, 
     return state.step, model.state_dict()
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
@@ -97,51 +92,49 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/chaos")
     p.add_argument("--timeout", type=float, default=3600)
-    args = p.parse_intermixed_args()
-    rng = random.Random(args.seed)
-    out = Path(args.out)
-    if out.exists():
-        import shutil
+    return p.parse_intermixed_args()
 
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
 
-    print(f"[chaos] reference run (no faults) -> {out / 'reference'}", flush=True)
-    ref = launcher(args.config, out / "reference", args.nproc, args.overrides, out / "reference.log")
-    if ref.wait(timeout=args.timeout) != 0:
-        print(f"[chaos] the reference run failed: see {out / 'reference.log'}")
-        return 1
-
-    run_dir = out / "chaos"
-    print(f"[chaos] chaos run with {args.kills} kills -> {run_dir}", flush=True)
-    chaos_overrides = args.overrides
-    if not any(o.startswith("fault.max_restarts=") for o in args.overrides):
-        # The run is here to recover from every kill, not to spend the default restart budget (10).
-        chaos_overrides = [*args.overrides, f"fault.max_restarts={args.kills + 5}"]
-    proc = launcher(args.config, run_dir, args.nproc, chaos_overrides, out / "chaos.log")
-    names = args.signals
+def kill_plan(signals: list[str], kills: int, rng: random.Random) -> list[str]:
+    """`kills` signal names: the list shuffled, repeated as often as needed."""
     plan: list[str] = []
-    while len(plan) < args.kills:
-        batch = names[:]
+    while len(plan) < kills:
+        batch = signals[:]
         rng.shuffle(batch)
         plan += batch
+    return plan[:kills]
+
+
+def next_victim(proc: subprocess.Popen, run_dir: Path, kills: list[dict], wait: float,
+                deadline: float) -> dict[int, dict] | None:
+    """Wait for a fresh attempt to train steadily, then `wait` seconds, then for a moment when every
+    rank is training; the ranks' heartbeats then (None if the run ended first)."""
+    while proc.poll() is None and time.time() < deadline:  # steady state of a fresh attempt
+        beats = steady_beats(run_dir, min_steps=3)
+        if beats and (not kills or beats[0]["attempt"] > kills[-1]["attempt"]):
+            break
+        time.sleep(0.1)
+    start = time.time()
+    while proc.poll() is None and time.time() - start < wait:
+        time.sleep(0.1)
+    beats = None  # a rank may be between steps (checkpoint, eval): wait until every rank is training
+    while proc.poll() is None and time.time() < deadline and not beats:
+        beats = steady_beats(run_dir, min_steps=1) or time.sleep(0.02)
+    return beats if proc.poll() is None else None
+
+
+def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: random.Random) -> tuple[int, list]:
+    """The chaos run: the launcher, signalled ranks at random times; (its exit code, the kills made)."""
+    overrides = args.overrides
+    if not any(o.startswith("fault.max_restarts=") for o in args.overrides):
+        # The run is here to recover from every kill, not to spend the default restart budget (10).
+        overrides = [*args.overrides, f"fault.max_restarts={args.kills + 5}"]
+    proc = launcher(args.config, run_dir, args.nproc, overrides, log)
     kills: list[dict] = []
     deadline = time.time() + args.timeout
-    for name in plan[:args.kills]:
-        wait = rng.uniform(0.5, 1.5) * args.interval
-        beats = None
-        while proc.poll() is None and time.time() < deadline:  # steady state of a fresh attempt
-            beats = steady_beats(run_dir, min_steps=3)
-            if beats and (not kills or beats[0]["attempt"] > kills[-1]["attempt"]):
-                break
-            time.sleep(0.1)
-        start = time.time()
-        while proc.poll() is None and time.time() - start < wait:
-            time.sleep(0.1)
-        beats = None  # a rank may be between steps (checkpoint, eval): wait until every rank is training
-        while proc.poll() is None and time.time() < deadline and not beats:
-            beats = steady_beats(run_dir, min_steps=1) or time.sleep(0.02)
-        if proc.poll() is not None or not beats:
+    for name in kill_plan(args.signals, args.kills, rng):
+        beats = next_victim(proc, run_dir, kills, rng.uniform(0.5, 1.5) * args.interval, deadline)
+        if not beats:
             print("[chaos] the run ended before all kills were made")
             break
         rank = rng.randrange(len(beats))
@@ -150,10 +143,11 @@ def main() -> int:
         kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
                       "attempt": beat["attempt"]})
         print(f"[chaos] SIG{name} -> rank {rank} (pid {beat['pid']}) at step {beat['step']}", flush=True)
-    code = proc.wait(timeout=max(deadline - time.time(), 1))
-    print(f"[chaos] launcher exited {code}")
+    return proc.wait(timeout=max(deadline - time.time(), 1)), kills
 
-    events = read_events(run_dir)
+
+def recoveries(kills: list[dict], events: list[dict]) -> list[dict]:
+    """Each kill with the failure the launcher recorded after it and the resume that followed."""
     failures = [e for e in events if e["event"] == "failure"]
     resumes = [e for e in events if e["event"] == "resume"]
     rows = []
@@ -168,7 +162,10 @@ def main() -> int:
                      "spawn_s": resume["spawn_s"], "startup_s": resume["startup_s"],
                      "load_s": resume["load_s"], "first_step_s": resume["first_step_s"],
                      "recovery_s": detect + resume["recovery_s"], "lost_steps": resume["lost_steps"]})
+    return rows
 
+
+def print_recoveries(rows: list[dict]) -> None:
     print("\n signal  rank   step  cause       detect  restart   load  1st step  recovery  lost steps")
     for r in rows:
         if "cause" not in r:
@@ -177,40 +174,73 @@ def main() -> int:
         print(f" SIG{r['signal']:<4} {r['rank']:>4} {r['step']:>6}  {r['cause']:<10} {r['detection_s']:6.1f}s "
               f"{r['restart_s']:7.1f}s {r['load_s']:5.2f}s {r['first_step_s']:8.2f}s {r['recovery_s']:8.1f}s "
               f"{r['lost_steps']:>10}")
-    done = next((e for e in reversed(events) if e["event"] == "done"), {})
     recovered = [r for r in rows if "cause" in r]
-    if recovered:
-        median = statistics.median(r["recovery_s"] for r in recovered)
-        print(f"\nmedian recovery (kill -> first step after resume): {median:.1f}s (goal <= 8s)")
-        for part, what in (("detection_s", "kill -> failure noticed"),
-                           ("restart_s", "failure -> checkpoint load starts, of which:"),
-                           ("spawn_s", "  stop the group, rendezvous, start processes"),
-                           ("startup_s", "  import torch, join the process group, build model and data"),
-                           ("load_s", "checkpoint load"), ("first_step_s", "first step after the load")):
-            print(f"  median {part[:-2]:<11} {statistics.median(r[part] for r in recovered):6.2f}s  {what}")
+    if not recovered:
+        return
+    median = statistics.median(r["recovery_s"] for r in recovered)
+    print(f"\nmedian recovery (kill -> first step after resume): {median:.1f}s (goal <= 8s)")
+    for part, what in (("detection_s", "kill -> failure noticed"),
+                       ("restart_s", "failure -> checkpoint load starts, of which:"),
+                       ("spawn_s", "  stop the group, rendezvous, start processes"),
+                       ("startup_s", "  import torch, join the process group, build model and data"),
+                       ("load_s", "checkpoint load"), ("first_step_s", "first step after the load")):
+        print(f"  median {part[:-2]:<11} {statistics.median(r[part] for r in recovered):6.2f}s  {what}")
+
+
+def print_goals(rows: list[dict], run_dir: Path, events: list[dict], kills: int) -> None:
+    """Hang detection against fault.hang_timeout_s, and the goodput."""
     hang_timeout = None
     for line in (run_dir / "config.yaml").read_text().splitlines():
         if line.strip().startswith("hang_timeout_s:"):
             hang_timeout = float(line.split(":")[1])
-    for r in recovered:
-        if r["signal"] == "STOP" and hang_timeout is not None:
+    for r in rows:
+        if "cause" in r and r["signal"] == "STOP" and hang_timeout is not None:
             ok = "ok" if r["detection_s"] <= hang_timeout + 2 else "MISSED"
             print(f"hang detected {r['detection_s']:.1f}s after SIGSTOP (goal <= hang_timeout_s + 2 = "
                   f"{hang_timeout + 2:.0f}s): {ok}")
+    done = next((e for e in reversed(events) if e["event"] == "done"), {})
     if done:
         wall_min = done["wall_s"] / 60
-        print(f"goodput {100 * done.get('goodput', 0):.1f}% with {len(kills)} kills in {wall_min:.1f} min "
-              f"({len(kills) / max(wall_min, 1e-9):.2f} failures/min; goal >= 80% at 1/min)")
+        print(f"goodput {100 * done.get('goodput', 0):.1f}% with {kills} kills in {wall_min:.1f} min "
+              f"({kills / max(wall_min, 1e-9):.2f} failures/min; goal >= 80% at 1/min)")
 
-    ref_losses, losses = metrics(out / "reference"), metrics(run_dir)
+
+def same_as_reference(args: argparse.Namespace, reference: Path, run_dir: Path) -> bool:
+    """Per-step losses and final parameters of the chaos run bit-identical to the reference run's."""
+    ref_losses, losses = metrics(reference), metrics(run_dir)
     same_losses = ref_losses == losses
-    ref_step, ref_params = final_state(args.config, out / "reference", args.overrides)
+    ref_step, ref_params = final_state(args.config, reference, args.overrides)
     step, params = final_state(args.config, run_dir, args.overrides)
-    same_params = step == ref_step and all(
-        (params[k] == v).all().item() for k, v in ref_params.items())
+    same_params = step == ref_step and all((params[k] == v).all().item() for k, v in ref_params.items())
     print(f"per-step losses identical to the uninterrupted run: {same_losses} ({len(losses)} steps)")
     print(f"final parameters bit-identical (step {step} vs {ref_step}): {same_params}")
-    return 0 if code == 0 and same_losses and same_params else 1
+    return same_losses and same_params
+
+
+def main() -> int:
+    args = parse_args()
+    rng = random.Random(args.seed)
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+    print(f"[chaos] reference run (no faults) -> {out / 'reference'}", flush=True)
+    ref = launcher(args.config, out / "reference", args.nproc, args.overrides, out / "reference.log")
+    if ref.wait(timeout=args.timeout) != 0:
+        print(f"[chaos] the reference run failed: see {out / 'reference.log'}")
+        return 1
+    run_dir = out / "chaos"
+    print(f"[chaos] chaos run with {args.kills} kills -> {run_dir}", flush=True)
+    code, kills = run_with_kills(args, run_dir, out / "chaos.log", rng)
+    print(f"[chaos] launcher exited {code}")
+
+    events = read_events(run_dir)
+    rows = recoveries(kills, events)
+    print_recoveries(rows)
+    print_goals(rows, run_dir, events, len(kills))
+    same = same_as_reference(args, out / "reference", run_dir)
+    return 0 if code == 0 and same else 1
 
 
 if __name__ == "__main__":

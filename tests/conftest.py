@@ -1,21 +1,36 @@
-"""Shared fixtures: a per-session cache for the built-in corpus, and helpers that run the real
-trainer as separate processes (plain python, or torchrun with several gloo ranks)."""
+"""Shared fixtures: a per-session cache for the built-in corpus (shared with child processes), the
+loopback S3 server and a fresh bucket on it, the data tests' small dataset, and the losses of a
+plain in-process run. Helpers that are not fixtures are in tests/helpers.py (imported by the
+fixtures that need them, so that collecting a test does not import torch through this file).
+
+Every test under tests/integration/ is marked `slow` here (the quick tier, `-m "not slow"`, is
+tests/unit/ less the few unit tests marked slow in place)."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["s3"]  # the loopback S3 server fixtures (tests/s3.py)
+INTEGRATION = Path(__file__).resolve().parent / "integration"
 
-REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "configs" / "smoke.yaml"
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rekindle_logging() -> None:
+    """The trainer's log lines (`[rekindle] ...`) on the current stdout, as a process of the trainer
+    sets them up, so that in-process tests see them (capsys)."""
+    from trainer import logs
+
+    logs.setup()
 
 
 @pytest.fixture(scope="session")
@@ -26,47 +41,41 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 endpoint: moto's server on 127.0.0.1, reached over HTTP through s3fs exactly as a
+    user's bucket would be (endpoint and credentials in the standard AWS environment variables, which
+    child processes inherit)."""
+    from trainer.testing import LoopbackS3
+
+    with LoopbackS3() as s3:
+        yield s3.endpoint
 
 
-def trainer_cmd(nproc: int, config: Path, overrides: list[str]) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "trainer", str(config), *overrides]
-    return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
-        "-m", "trainer", str(config), *overrides,
-    ]
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> str:
+    """A fresh, empty bucket; returns its URL (s3://name)."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    name = f"rekindle-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    return f"s3://{name}"
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    env.update(extra)
-    return env
+@pytest.fixture(scope="module")
+def local_dataset(tmp_path_factory):
+    """helpers.TEXTS prepared into small local shards (one per test module)."""
+    from tests.helpers import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("shards"))
 
 
-def run_trainer(
-    run_dir: Path, overrides: list[str] = (), nproc: int = 1, timeout: float = 180, config: Path = SMOKE,
-    check: bool = True,
-) -> subprocess.CompletedProcess:
-    """Run the trainer to completion in fresh processes (bounded by `timeout`)."""
-    args = [f"run.dir={run_dir}", "log.progress=false", *overrides]
-    proc = subprocess.run(
-        trainer_cmd(nproc, config, args), cwd=REPO, env=child_env(), capture_output=True, text=True,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
+@pytest.fixture(scope="module")
+def plain(cache_dir, tmp_path_factory) -> list[float]:
+    """The losses of a short plain run of the smoke config in this process: the reference of the
+    speed-option tests."""
+    from tests.helpers import SHORT, train_here
 
-
-def read_metrics(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl by step; a step logged twice (before a crash and after resume) keeps the last."""
-    records: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        records[r["step"]] = r
-    return records
+    return train_here(tmp_path_factory.mktemp("plain"), SHORT)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from trainer import protocol
+
 USAGE = """usage: python -m trainer CONFIG [key=value ...]
        torchrun --nproc-per-node N -m trainer CONFIG [key=value ...]
 
@@ -17,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return protocol.EXIT_OK if argv else protocol.EXIT_USAGE
     # Imported here so that `--help` and config errors answer before torch loads.
     from trainer.config import ConfigError, load
 
@@ -25,25 +27,26 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(argv[0], argv[1:])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return protocol.EXIT_USAGE
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     from data.shards import ShardError
     from data.stream import DataStateError
     from trainer.checkpoint import CheckpointError
-    from trainer.fault import EXIT_PREEMPTED, Preempted
-    from trainer.loop import NonFiniteError, train
+    from trainer.fault import Preempted
+    from trainer.loop import train
+    from trainer.step import NonFiniteError
 
     try:
         record(train)(cfg)  # an unexpected exception lands in torchelastic's error file for the launcher
     except Preempted as e:
         print(f"[rekindle] {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return protocol.EXIT_PREEMPTED
     except (ConfigError, ShardError, DataStateError, CheckpointError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         ErrorHandler().record_exception(e)  # the launcher's ledger names the cause (no-op without torchrun)
-        return 2 if isinstance(e, ConfigError) else 1
-    return 0
+        return protocol.EXIT_USAGE if isinstance(e, ConfigError) else protocol.EXIT_FAILED
+    return protocol.EXIT_OK
 
 
 if __name__ == "__main__":

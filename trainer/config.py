@@ -1,5 +1,8 @@
 """The run configuration: one typed schema, loaded from YAML plus `key=value` overrides, validated
-before any work starts. This is the only module that knows the schema; every error names the key."""
+before any work starts; every error names the key. Each key is declared once, as a field of its
+group below (the `model` group is the model's own `ModelArgs`, in trainer/model_args.py), with its
+default, its meaning and its limits beside it (`trainer.schema.setting`); rules between keys of a
+group are that group's `check`, rules that need the world size are in `validate`."""
 
 from __future__ import annotations
 
@@ -14,117 +17,128 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before any work starts."""
+from trainer import schema
+from trainer.model_args import ModelArgs
+from trainer.schema import ConfigError, setting
 
 
 @dataclass
 class RunConfig:
-    name: str = "rekindle"
-    dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, checkpoints/
-    seed: int = 1337
-
-
-@dataclass
-class ModelConfig:
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0 = same as n_heads (no grouped KV)
-    ffn_mult: float = 4.0  # SwiGLU hidden = round(ffn_mult * dim * 2/3, multiple_of)
-    multiple_of: int = 32
-    vocab_size: int = 4096
-    seq_len: int = 256
-    tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    name: str = setting("rekindle", "run name; with run.dir it derives the launcher's job id")
+    dir: str = setting("runs/default", "run directory: config.yaml, metrics.jsonl, events.jsonl, checkpoints/")
+    seed: int = setting(1337, "seed of the model init")
 
 
 @dataclass
 class DataConfig:
-    path: str = ""  # prepared shards (dir or URL); empty = the built-in corpus
-    num_workers: int = 0  # loader worker processes per rank; 0 = read in the training process
-    seed: int = 1234
-    # RoPE positions restart at 0 after each EOS, as they do when the model generates a new document.
-    reset_positions: bool = True
-    # Drop the loss of targets that start a new document (input token = EOS): nothing before predicts them.
-    mask_boundary_loss: bool = False
-    cache_dir: str = ""  # built-in corpus cache; empty = $REKINDLE_CACHE or ~/.cache/rekindle
-    builtin_mb: float = 8.0  # size of the built-in corpus in MB of text
-    val_fraction: float = 0.01  # held-out share of samples for eval loss
+    path: str = setting("", "prepared shards (dir or URL); empty = the built-in corpus")
+    num_workers: int = setting(0, "loader worker processes per rank; 0 = read in the training process", ge=0)
+    seed: int = setting(1234, "seed of the sample order")
+    reset_positions: bool = setting(
+        True, "RoPE positions restart at 0 after each EOS, as they do when the model generates a new document")
+    mask_boundary_loss: bool = setting(
+        False, "drop the loss of targets that start a new document (input token = EOS): nothing before predicts them")
+    cache_dir: str = setting("", "built-in corpus cache; empty = $REKINDLE_CACHE or ~/.cache/rekindle")
+    builtin_mb: float = setting(8.0, "size of the built-in corpus in MB of text", gt=0)
+    val_fraction: float = setting(0.01, "held-out share of samples for eval loss", ge=0, lt=0.5)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    global_batch: int = 16  # sequences per optimizer step, across all ranks
-    micro_batch: int = 8  # sequences per forward/backward on one rank
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = no clipping
-    eval_every: int = 50  # 0 = only at the end
-    eval_batches: int = 4
-    log_every: int = 10
-    max_bad_steps: int = 5  # abort after this many non-finite steps in a row
+    steps: int = setting(200, "optimizer steps of the whole run", gt=0)
+    global_batch: int = setting(16, "sequences per optimizer step, across all ranks", gt=0)
+    micro_batch: int = setting(8, "sequences per forward/backward on one rank (capped at the per-rank batch)", gt=0)
+    lr: float = setting(3e-3, "peak learning rate, after warmup", gt=0)
+    min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay; at most lr", ge=0)
+    warmup_steps: int = setting(20, "linear warmup from 0 to lr", ge=0)
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only)", ge=0)
+    beta1: float = setting(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = setting(0.95, "AdamW beta2", ge=0, lt=1)
+    grad_clip: float = setting(1.0, "max global gradient norm; 0 = no clipping", ge=0)
+    eval_every: int = setting(50, "steps between held-out evals; 0 = only at the end", ge=0)
+    eval_batches: int = setting(4, "global batches per eval", ge=0)
+    log_every: int = setting(10, "steps between log lines", gt=0)
+    max_bad_steps: int = setting(5, "abort after this many non-finite steps in a row", gt=0)
+
+    def check(self, prefix: str = "") -> None:
+        if self.min_lr > self.lr:
+            raise ConfigError(f"config key '{prefix}min_lr' ({self.min_lr}) must not exceed {prefix}lr ({self.lr})")
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(
+                f"config key '{prefix}global_batch' ({self.global_batch}) must be a multiple of "
+                f"{prefix}micro_batch ({self.micro_batch})"
+            )
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # path or URL; empty = run.dir/checkpoints
-    every: int = 100  # 0 = only at the end
-    keep: int = 2
-    keep_every: int = 0  # also keep every n-th step forever (0 = off)
-    # `async` is a Python keyword: the YAML key is `async`, the attribute `async_`.
-    async_: bool = False
-    resume: str = "auto"  # auto | never | required
+    dir: str = setting("", "path or URL; empty = run.dir/checkpoints")
+    every: int = setting(100, "steps between checkpoints; 0 = only at the end", ge=0)
+    keep: int = setting(2, "newest committed checkpoints kept", ge=2,
+                        why="the previous commit is the fallback when the newest is corrupt")
+    keep_every: int = setting(0, "also keep every n-th step forever; 0 = off", ge=0)
+    # `async` is a Python keyword: the YAML key is `async`, the attribute `async_` (schema.yaml_key).
+    async_: bool = setting(False, "write checkpoints in the background while training goes on")
+    resume: str = setting("auto", "auto: from the newest commit if any | never | required: fail without one",
+                          choices=("auto", "never", "required"))
 
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"  # auto | gloo | nccl
-    timeout_s: float = 600.0
-    mixed_precision: str = "auto"  # auto | fp32 | bf16
-    compile: bool = False  # torch.compile the model (per block under FSDP; inductor, needs a C compiler)
-    activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
-    fused_adamw: str = "auto"  # auto (fused kernel on GPU and CPU) | fused | foreach
-    tune_malloc: bool = True  # glibc keeps freed blocks (no page faults), heap on huge pages
+    backend: str = setting("auto", "process group backend; auto = nccl with CUDA, else gloo",
+                           choices=("auto", "gloo", "nccl"))
+    timeout_s: float = setting(600.0, "collective timeout until the first step is done", gt=0)
+    mixed_precision: str = setting("auto", "compute dtype; auto = bf16 on GPU, fp32 on CPU",
+                                   choices=("auto", "fp32", "bf16"))
+    compile: bool = setting(False, "torch.compile the model (per block under FSDP; inductor, needs a C compiler)")
+    activation_checkpointing: str = setting("none", "recompute activations: selective (every other block) | full",
+                                            choices=("none", "selective", "full"))
+    fused_adamw: str = setting("auto", "auto (fused kernel on GPU and CPU) | fused | foreach",
+                               choices=("auto", "fused", "foreach"))
+    tune_malloc: bool = setting(True, "glibc keeps freed blocks (no page faults), heap on huge pages")
 
 
 @dataclass
 class FaultConfig:
-    # Read by the launcher (python -m launch) and by the trainer; plain torchrun uses the timeouts only.
-    heartbeat_s: float = 0.5  # how often the launcher's watchdog reads the ranks' heartbeats
-    hang_timeout_s: float = 60.0  # no step finished for this long (after the first step) = a hung rank
-    preempt_grace_s: float = 30.0  # SIGTERM: the emergency checkpoint must be committed within this
-    collective_timeout_s: float = 120.0  # collective timeout after the first step (dist.timeout_s before it)
-    max_restarts: int = 10  # launcher restart budget (--max-restarts overrides)
-    restart_backoff_s: float = 1.0  # wait before a restart after a failure that made no progress; doubles
-    crash_loop_repeats: int = 3  # the same failure at the same step this many times in a row = crash loop
+    """Read by the launcher (python -m launch) and by the trainer; plain torchrun uses the timeouts only."""
+
+    heartbeat_s: float = setting(0.5, "how often the launcher's watchdog reads the ranks' heartbeats", gt=0)
+    hang_timeout_s: float = setting(60.0, "no step finished for this long (after the first step) = a hung rank",
+                                    gt=0)
+    preempt_grace_s: float = setting(30.0, "SIGTERM: the emergency checkpoint must be committed within this", gt=0)
+    collective_timeout_s: float = setting(120.0, "collective timeout after the first step (dist.timeout_s before it)",
+                                          ge=0)
+    max_restarts: int = setting(10, "launcher restart budget (--max-restarts overrides)", ge=0)
+    restart_backoff_s: float = setting(1.0, "wait before a restart after a failure that made no progress; doubles",
+                                       ge=0)
+    crash_loop_repeats: int = setting(3, "the same failure at the same step this many times in a row = crash loop",
+                                      gt=0)
 
 
 @dataclass
 class LogConfig:
-    progress: bool = True
-    tensorboard: bool = False  # scalars to run.dir/tb/ on rank 0 (needs the tensorboard package)
-    peak_tflops: float = 0.0  # per-device peak for MFU; 0 = known GPU table, or measured on CPU
-    cost_per_device_hour: float = 0.0  # price of one device (GPU, or CPU process) per hour; 0 = no cost report
+    progress: bool = setting(True, "show progress on the console (rank 0)")
+    tensorboard: bool = setting(False, "scalars to run.dir/tb/ on rank 0 (needs the tensorboard package)")
+    peak_tflops: float = setting(0.0, "per-device peak for MFU; 0 = known GPU table, or measured on CPU", ge=0)
+    cost_per_device_hour: float = setting(
+        0.0, "price of one device (GPU, or CPU process) per hour; 0 = no cost report", ge=0)
 
 
 @dataclass
 class ProfileConfig:
-    steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler trace to run.dir/profile/
+    steps: list[int] = setting([], "[first, last]: torch.profiler trace of these steps to run.dir/profile/")
+
+    def check(self, prefix: str = "") -> None:
+        steps = list(self.steps)
+        if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ConfigError(
+                f"config key '{prefix}steps' must be [first, last] with 1 <= first <= last; got {steps}")
 
 
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelArgs = field(default_factory=ModelArgs)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -135,7 +149,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the user-facing key names (`checkpoint.async`, not `async_`)."""
-        return _rename(dataclasses.asdict(self), _to_yaml_key)
+        return _rename(dataclasses.asdict(self), schema.yaml_key)
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.create(self.to_dict()))
@@ -148,24 +162,6 @@ class Config:
         return self.checkpoint.dir or str(Path(self.run.dir) / "checkpoints")
 
 
-_ENUMS = {
-    "checkpoint.resume": ("auto", "never", "required"),
-    "dist.backend": ("auto", "gloo", "nccl"),
-    "dist.mixed_precision": ("auto", "fp32", "bf16"),
-    "dist.activation_checkpointing": ("none", "selective", "full"),
-    "dist.fused_adamw": ("auto", "fused", "foreach"),
-}
-_PYTHON_KEYWORDS = {"async": "async_"}
-
-
-def _to_yaml_key(name: str) -> str:
-    return {v: k for k, v in _PYTHON_KEYWORDS.items()}.get(name, name)
-
-
-def _to_attr(name: str) -> str:
-    return _PYTHON_KEYWORDS.get(name, name)
-
-
 def _rename(tree: Any, rename) -> Any:
     if isinstance(tree, dict):
         return {rename(k): _rename(v, rename) for k, v in tree.items()}
@@ -176,7 +172,7 @@ def _schema_keys(cls: type = Config, prefix: str = "") -> dict[str, type]:
     """Every valid dotted key (user spelling) -> its dataclass field type name."""
     keys: dict[str, type] = {}
     for f in dataclasses.fields(cls):
-        name = prefix + _to_yaml_key(f.name)
+        name = prefix + schema.yaml_key(f.name)
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
             keys[name] = dict
             keys.update(_schema_keys(f.default_factory, name + "."))
@@ -232,7 +228,7 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     for source, tree in layers:
         _check_keys(tree, source, valid)
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(_rename(tree, _to_attr)))
+            merged = OmegaConf.merge(merged, OmegaConf.create(_rename(tree, schema.attr_name)))
         except OmegaConfBaseException as e:
             full_key = getattr(e, "full_key", None) or "?"
             raise ConfigError(
@@ -247,70 +243,14 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
 
 
 def _to_yaml_key_path(full_key: str) -> str:
-    return ".".join(_to_yaml_key(part) for part in str(full_key).split("."))
+    return ".".join(schema.yaml_key(part) for part in str(full_key).split("."))
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Semantic checks that types alone cannot express. With world_size, also batch divisibility."""
-    for dotted, allowed in _ENUMS.items():
-        group, key = dotted.split(".")
-        value = getattr(getattr(cfg, group), _to_attr(key))
-        if value not in allowed:
-            raise ConfigError(f"config key '{dotted}' must be one of {', '.join(allowed)}; got '{value}'")
-    m, t = cfg.model, cfg.train
-    positive = {
-        "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
-        "model.vocab_size": m.vocab_size, "model.seq_len": m.seq_len, "train.steps": t.steps,
-        "train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch,
-        "train.log_every": t.log_every, "train.max_bad_steps": t.max_bad_steps,
-        "model.multiple_of": m.multiple_of, "fault.heartbeat_s": cfg.fault.heartbeat_s,
-        "fault.hang_timeout_s": cfg.fault.hang_timeout_s, "fault.preempt_grace_s": cfg.fault.preempt_grace_s,
-        "fault.crash_loop_repeats": cfg.fault.crash_loop_repeats,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"config key '{key}' must be positive; got {value}")
-    non_negative = {
-        "model.n_kv_heads": m.n_kv_heads, "train.warmup_steps": t.warmup_steps,
-        "train.eval_every": t.eval_every, "train.eval_batches": t.eval_batches,
-        "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
-        "checkpoint.every": cfg.checkpoint.every, "checkpoint.keep_every": cfg.checkpoint.keep_every,
-        "data.num_workers": cfg.data.num_workers, "log.peak_tflops": cfg.log.peak_tflops,
-        "log.cost_per_device_hour": cfg.log.cost_per_device_hour,
-        "train.min_lr": t.min_lr, "fault.collective_timeout_s": cfg.fault.collective_timeout_s,
-        "fault.max_restarts": cfg.fault.max_restarts, "fault.restart_backoff_s": cfg.fault.restart_backoff_s,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"config key '{key}' must be >= 0; got {value}")
-    if t.lr <= 0:
-        raise ConfigError(f"config key 'train.lr' must be positive; got {t.lr}")
-    if t.min_lr > t.lr:
-        raise ConfigError(f"config key 'train.min_lr' ({t.min_lr}) must not exceed train.lr ({t.lr})")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"config key 'model.dim' ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError("config keys 'model.dim'/'model.n_heads' must give an even head dim for RoPE")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        raise ConfigError(
-            f"config key 'model.n_kv_heads' ({kv}) must divide model.n_heads ({m.n_heads})"
-        )
-    if cfg.checkpoint.keep < 2:
-        raise ConfigError(
-            f"config key 'checkpoint.keep' must be >= 2 (the previous commit is the fallback when the newest is "
-            f"corrupt); got {cfg.checkpoint.keep}"
-        )
-    if not 0.0 <= cfg.data.val_fraction < 0.5:
-        raise ConfigError(f"config key 'data.val_fraction' must be in [0, 0.5); got {cfg.data.val_fraction}")
-    steps = list(cfg.profile.steps)
-    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-        raise ConfigError(f"config key 'profile.steps' must be [first, last] with 1 <= first <= last; got {steps}")
-    if t.global_batch % t.micro_batch:
-        raise ConfigError(
-            f"config key 'train.global_batch' ({t.global_batch}) must be a multiple of "
-            f"train.micro_batch ({t.micro_batch})"
-        )
+    """Every key within the limits declared beside it and each group's cross-field rules
+    (`trainer.schema.check`); with world_size, also batch divisibility."""
+    schema.check(cfg)
+    t = cfg.train
     if world_size is not None:
         if t.global_batch % world_size:
             raise ConfigError(

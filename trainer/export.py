@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import save, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer import ckpt_storage as storage
-from trainer.checkpoint import COMMIT, STEP_DIR, TRAIN_STATE, CheckpointError, load_state, step_dir, verify
+from trainer import logs, storage
+from trainer.checkpoint import COMMIT, STEP_DIR, CheckpointError, committed_steps, read_train_state, step_dir, verify
+from trainer.checkpoint.format import load_metadata, load_state
+
+log = logs.get_logger("export")
 
 USAGE = "usage: python -m trainer.export CHECKPOINT OUT.safetensors  (CHECKPOINT: a step directory or a root)"
 
@@ -43,27 +47,21 @@ def resolve(checkpoint: str) -> str:
         if problem:
             raise CheckpointError(f"{checkpoint} is unusable: {problem}")
         return checkpoint
-    steps = sorted(
-        (int(m.group(1)) for e in fs.ls(p, detail=False) if (m := STEP_DIR.match(e.rstrip("/").rsplit("/", 1)[-1]))),
-        reverse=True,
-    )
-    for step in steps:
+    for step in reversed(committed_steps(checkpoint)):  # a save that did not finish is never a candidate
         path = step_dir(checkpoint, step)
-        if not fs.exists(f"{storage.filesystem(path)[1]}/{COMMIT}"):
-            continue  # a save that did not finish: never a candidate
         problem = verify(path)
         if not problem:
             return path
-        print(f"[export] warning: step {step} is unusable, trying the previous one: {problem}", file=sys.stderr)
+        log.warning("step %d is unusable, trying the previous one: %s", step, problem)
     raise CheckpointError(f"no usable committed checkpoint in {checkpoint}")
 
 
 def consolidate(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
     """Full (unsharded) model weights of the verified step at `path`, its tied names and train state."""
     fs, p = storage.filesystem(path)
-    state = json.loads(fs.cat_file(f"{p}/{TRAIN_STATE}"))
+    state = asdict(read_train_state(path))
     tied = state.get("tied") or {}
-    metadata = storage.load_metadata(fs.cat_file(f"{p}/.metadata"))
+    metadata = load_metadata(fs.cat_file(f"{p}/.metadata"))
     weights = {
         key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
@@ -83,7 +81,7 @@ def export(checkpoint: str, out: str) -> dict:
     path = resolve(checkpoint)
     weights, tied, state = consolidate(path)
     metadata = {"format": "pt", "step": str(state.get("step", "")), "source": path, "tied": json.dumps(tied)}
-    if storage.is_remote(out):
+    if not storage.is_local(out):
         fs, p = storage.filesystem(out)
         fs.pipe_file(p, save(weights, metadata=metadata))
         size = int(fs.size(p))
@@ -98,6 +96,7 @@ def export(checkpoint: str, out: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    logs.setup(stream=sys.stderr)
     if len(argv) != 2 or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if len(argv) != 1 else sys.stdout)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -1,32 +1,24 @@
-"""Worker-side fault handling: heartbeats the supervisor's watchdog reads, SIGTERM preemption
-(finish the step, save, exit with EXIT_PREEMPTED), the events ledger append, and fault injection
-for tests and chaos runs. Everything here is a no-op when the trainer runs without the launcher.
-
-Heartbeat file: one per rank in `$REKINDLE_HEARTBEAT_DIR/rank-<r>.json`, a fixed-size JSON record
-rewritten in place (one `pwrite`, no rename) after every step and at each phase change:
-`{pid, rank, attempt, phase, step, t, t_proc, t_load, t_loaded, t_first, resumed_step, busy_s, steps_run}`.
-`t_*` are unix times: process start, checkpoint load start/end, first step done in this attempt.
-"""
+"""Worker-side fault handling: SIGTERM preemption (the ranks agree on it at a step boundary, commit an
+emergency checkpoint and exit with EXIT_PREEMPTED), dying with the launcher, and the fault injection
+that tests and chaos runs use (a crash, a hang, a kill or a write error at a given step and rank,
+named by environment variables of trainer.protocol). Everything here is a no-op without the launcher
+or those variables."""
 
 from __future__ import annotations
 
-import json
+import errno
 import os
 import signal
-import sys
 import threading
-import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-HEARTBEAT_ENV = "REKINDLE_HEARTBEAT_DIR"
-FAIL_AT_ENV = "REKINDLE_FAIL_AT"  # "step[:rank]": raise at that step (every attempt): a deterministic crash
-HANG_AT_ENV = "REKINDLE_HANG_AT"  # "step[:rank]": spin forever at that step (first attempt only)
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after an emergency checkpoint; launch again to resume
-RECORD_BYTES = 512
+from trainer import protocol
+from trainer.process import die_with_parent
+
+FAULT_AFTER_BYTES = 4096  # `shards` / `write-error` fire once this much of the shard file is written
 
 
 class Preempted(Exception):  # noqa: N818 - a request, not an error
@@ -37,82 +29,12 @@ class Preempted(Exception):  # noqa: N818 - a request, not an error
         self.step = step
 
 
-def process_start_time(pid: int | None = None) -> float:
-    """Unix time at which a process started, to ~10 ms (from /proc; now if unavailable)."""
-    try:
-        fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
-        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: field 22 of stat
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - started_after_boot)
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
-
-class Heartbeat:
-    """This rank's progress record for the watchdog. Without $REKINDLE_HEARTBEAT_DIR it does nothing."""
-
-    def __init__(self, rank: int) -> None:
-        directory = os.environ.get(HEARTBEAT_ENV)
-        self._fd: int | None = None
-        self.record: dict[str, Any] = {
-            "pid": os.getpid(), "rank": rank, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
-            "t_loaded": 0.0, "t_first": 0.0, "resumed_step": 0, "busy_s": 0.0, "steps_run": 0,
-        }
-        if directory:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(Path(directory) / f"rank-{rank}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            self._write()
-
-    def beat(self, phase: str | None = None, step: int | None = None, **fields: Any) -> None:
-        if self._fd is None:
-            return
-        now = time.time()
-        if phase:
-            self.record["phase"] = phase
-        if step is not None:
-            if self.record["t_first"] == 0.0 and phase == "train":
-                self.record["t_first"] = now
-            self.record["step"] = step
-        self.record.update(fields, t=now)
-        self._write()
-
-    def _write(self) -> None:
-        data = json.dumps(self.record).encode().ljust(RECORD_BYTES)
-        os.pwrite(self._fd, data, 0)
-
-    def close(self, phase: str = "done") -> None:
-        if self._fd is not None:
-            self.beat(phase)
-            os.close(self._fd)
-            self._fd = None
-
-
 def die_with_launcher() -> None:
     """Under the launcher, make the kernel SIGKILL this rank if the launcher dies (a lost node must
     not leave orphaned ranks holding ports and memory: torchrun starts them in their own session)."""
-    launcher = os.environ.get("REKINDLE_LAUNCHER_PID")
-    if not launcher or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(launcher):  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def read_heartbeats(directory: str | Path) -> dict[int, dict]:
-    """Every readable heartbeat record in a directory, by rank (a torn or empty file is skipped)."""
-    beats = {}
-    for path in Path(directory).glob("rank-*.json"):
-        try:
-            record = json.loads(path.read_bytes().decode().strip() or "null")
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and "rank" in record:
-            beats[int(record["rank"])] = record
-    return beats
+    launcher = os.environ.get(protocol.LAUNCHER_PID_ENV)
+    if launcher:
+        die_with_parent(lambda: os.getppid() == int(launcher))
 
 
 class PreemptionFlag:
@@ -141,30 +63,41 @@ class PreemptionFlag:
             self._previous = None
 
 
-def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict:
-    """Append one record to run_dir/events.jsonl (O_APPEND: one write per line)."""
-    record = {"event": event, "time": time.time(), **fields}
-    path = Path(run_dir) / "events.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-    return record
-
-
-def _injection(env: str, rank: int) -> int | None:
-    spec = os.environ.get(env, "")
-    if not spec:
-        return None
-    step, _, only_rank = spec.partition(":")
-    if only_rank and int(only_rank) != rank:
-        return None
-    return int(step)
-
-
+# ---------------------------------------------------------------------- fault injection (tests, chaos)
 def inject_faults(step: int, rank: int) -> None:
-    """Test hooks: a deterministic exception or a spinning hang at a given step."""
-    if _injection(FAIL_AT_ENV, rank) == step:
-        raise RuntimeError(f"injected failure at step {step} ({FAIL_AT_ENV})")
-    if _injection(HANG_AT_ENV, rank) == step and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    """REKINDLE_FAIL_AT: a deterministic exception; REKINDLE_HANG_AT: a spinning hang (first attempt)."""
+    if protocol.injected(os.environ.get(protocol.FAIL_AT_ENV, ""), step, rank):
+        raise RuntimeError(f"injected failure at step {step} ({protocol.FAIL_AT_ENV})")
+    if protocol.injected(os.environ.get(protocol.HANG_AT_ENV, ""), step, rank) and protocol.attempt() == 0:
         while True:  # a runaway loop: 100% CPU, no progress
             pass
+
+
+def _checkpoint_fault(point: str, step: int, rank: int) -> bool:
+    """REKINDLE_CRASH_AT="<point>@<step>[:rank]" names this point of the save of `step` on `rank`."""
+    where, _, at = os.environ.get(protocol.CRASH_AT_ENV, "").partition("@")
+    return where == point and protocol.injected(at, step, rank)
+
+
+def crash_point(point: str, step: int, rank: int) -> None:
+    """`commit`: SIGKILL rank 0 after every shard is written but before COMMIT.json."""
+    if _checkpoint_fault(point, step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_fault(step: int, rank: int) -> Callable[[int], None] | None:
+    """The injected fault (if any) for this rank's shard write of `step`, called with the bytes written
+    so far: `shards` SIGKILLs the rank in the middle of its shard file, `write-error` fails the write
+    with ENOSPC (disk full)."""
+    if _checkpoint_fault("shards", step, rank):
+        def kill(written: int) -> None:
+            if written >= FAULT_AFTER_BYTES:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return kill
+    if _checkpoint_fault("write-error", step, rank):
+        def disk_full(written: int) -> None:
+            if written >= FAULT_AFTER_BYTES:
+                raise OSError(errno.ENOSPC, f"No space left on device (injected by {protocol.CRASH_AT_ENV})")
+        return disk_full
+    return None
+

@@ -4,20 +4,21 @@ huge pages for its heap.
 Why: a training step allocates and frees the same large activation buffers every step. glibc serves
 blocks above its mmap threshold (at most 32 MiB) with fresh `mmap`s and returns them on free, so
 every step first-touches, page-faults and zeroes them again; on a virtual machine each fault is
-expensive. Measured on a 2-vCPU machine with the default config's model: the output softmax went
-from 137 ms to 11 ms per step and the step from ~1.0 s to ~0.63 s (1 thread). Keeping freed memory
-in the heap (no mmap for large blocks, no trimming) removes those faults; the price is that the
-process keeps its peak heap until it exits, which a trainer does anyway. (Those numbers predate the
-fused loss, `trainer/loss.py`: without the 32 MiB logits the default model now gains little from
-either setting, 0.96-1.03x; models with larger activations still do.)
+expensive. Keeping freed memory in the heap (no mmap for large blocks, no trimming) removes those
+faults; the price is that the process keeps its peak heap until it exits, which a trainer does
+anyway. The gain grows with the size of a step's activations: since the fused loss
+(`trainer/loss.py`) no longer materialises the default model's full logits, that model gains
+little from either setting, while models with larger activations still do. Measurements, from
+before and after the fused loss: docs/performance.md, "Where the default config's step goes"
+("The page-fault tax") and the `dist.tune_malloc` entry of "`scripts/bench.py` (full)".
 
 Huge pages: with the above, every buffer of a step lives in the heap, mapped in 4 KiB pages; the
 matmuls and element-wise kernels that stream through several MiB of activations miss the TLB often.
 After the first step (when the heap has grown to its steady size) `huge_pages_for_heap()` asks the
 kernel to back the heap with 2 MiB transparent huge pages (`madvise(MADV_HUGEPAGE)`, then
-`MADV_COLLAPSE` to convert what is already mapped, Linux 6.1+). Measured on the default config's
-model, 1 thread: 2.2-3.4% more tokens/s, eager and compiled, in three alternating pairs of runs; the
-collapse takes ~0.65 s once for a 500 MB heap. Where THP is off (`never`) or the kernel is older,
+`MADV_COLLAPSE` to convert what is already mapped, Linux 6.1+): fewer TLB misses in every later
+step, for a collapse that is paid once (its gain and its cost: docs/performance.md, "Where the
+default config's step goes", change 4). Where THP is off (`never`) or the kernel is older,
 the calls fail and nothing changes. The same effect as `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in
 the launch environment, from inside the process.
 """

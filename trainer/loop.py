@@ -1,11 +1,12 @@
-"""The training loop, top to bottom: set-up, data, model, optimizer, resume, then per step
-batch -> forward/backward over micro-batches -> clip -> guard -> optimizer step -> log/eval/checkpoint."""
+"""The training run, top to bottom: `train()` builds the run, resumes it, then loops
+`train_step` -> `after_step` until the last step, and finishes with a summary. Each component decides
+when it acts (the evaluator, the metrics log, the checkpointer); teardown happens once, in `train`'s
+`finally`. The step itself is trainer.step; the components are in their own modules."""
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,39 +14,94 @@ import torch
 from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
-from data.stream import BatchWithPositions, TokenStream
-from trainer import checkpoint, fault, host, parallel
+from data.stream import TokenStream
+from trainer import fault, host, logs, parallel, protocol
+from trainer.checkpoint import Checkpointer, CheckpointError, TrainState, step_dir
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.cost import cost_report, format_cost
-from trainer.metrics import BREAKDOWN, MetricsLog, StepTimer, format_breakdown, memory_mb, peak_flops
-from trainer.model import ModelArgs, Transformer
+from trainer.evaluate import Evaluator
+from trainer.metrics import (
+    BREAKDOWN,
+    LogWindow,
+    MetricsLog,
+    StepTimer,
+    format_breakdown,
+    memory_mb,
+    peak_flops,
+    with_other,
+)
+from trainer.model import Transformer
+from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.profiling import StepProfiler
+from trainer.step import NonFiniteGuard, StepResult, micro_batches, train_step
+
+log = logs.get_logger()
 
 
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+@dataclass
+class Run:
+    """Everything one training process holds, built once by `build`."""
+
+    cfg: Config
+    info: parallel.DistInfo
+    heartbeat: protocol.Heartbeat
+    preemption: fault.PreemptionFlag
+    shards: ShardSet
+    loader: BatchLoader
+    evaluator: Evaluator
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    checkpointer: Checkpointer
+    micro_batch: int
+    flops_per_token: float
+    peak_flops: float
+    state: TrainState = field(default_factory=TrainState)
+    metrics: MetricsLog | None = None  # from here on: made by `resume`, once the start step is known
+    timer: StepTimer | None = None
+    window: LogWindow | None = None
+    comm: parallel.CommTimer | None = None
+    profiler: StepProfiler | None = None
+    guard: NonFiniteGuard | None = None
+    start_step: int = 0
+    started: float = 0.0
+    busy_s: float = 0.0  # time spent in training steps this attempt (goodput's numerator)
+    eval_loss: float = float("nan")
+    closed: bool = False
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.model.seq_len
 
 
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup to train.lr over warmup_steps, then cosine decay to train.min_lr at train.steps."""
-    t = cfg.train
-    if step <= t.warmup_steps:
-        return t.lr * step / max(t.warmup_steps, 1)
-    progress = (step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+def train(cfg: Config) -> dict:
+    """Run (or resume) the training job described by cfg; returns the final summary.
+
+    Raises fault.Preempted after committing an emergency checkpoint when SIGTERM arrives."""
+    fault.die_with_launcher()
+    if cfg.dist.tune_malloc:
+        host.tune_malloc()
+    info = parallel.init_distributed(cfg.dist)
+    logs.setup(rank=info.rank, verbose=info.is_main)
+    heartbeat, preemption, run = protocol.Heartbeat(info.rank), fault.PreemptionFlag(), None
+    try:
+        run = build(cfg, info, heartbeat, preemption)
+        resume(run)
+        while run.state.step < cfg.train.steps:
+            step_start = time.perf_counter()
+            micros, data_wait = next_batch(run)
+            result = train_step(run.model, run.optimizer, micros, cfg, info, run.timer)
+            after_step(run, result, step_start, data_wait)
+        return finish(run)
+    finally:
+        if run is not None:
+            release(run, clean=False)  # a no-op after finish() or an emergency checkpoint
+        preemption.close()
+        heartbeat.close()
+        parallel.shutdown()
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms); the fused kernel per dist.fused_adamw."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    impl = {"fused": True} if parallel.use_fused_adamw(cfg.dist, device) else (
-        {"foreach": True} if cfg.dist.fused_adamw == "foreach" else {})
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), **impl)
-
-
+# ---------------------------------------------------------------------- build
 def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
     path = cfg.data.path or str(ensure_builtin(cfg.model.vocab_size, cfg.data.builtin_mb,
                                                cfg.data.cache_dir or None, progress=info.is_main))
@@ -58,252 +114,208 @@ def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
     return shards
 
 
-Micro = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # tokens, RoPE positions, loss mask
-
-
-def micro_batches(batch: torch.Tensor | BatchWithPositions, size: int, cfg: Config,
-                  device: torch.device) -> list[Micro]:
-    """Split a loader batch into micro-batches of (tokens, positions or None, loss mask or None),
-    keeping only what data.reset_positions / data.mask_boundary_loss ask for."""
-    if isinstance(batch, torch.Tensor):
-        return [(m, None, None) for m in batch.to(device).split(size)]
-    tokens = batch.tokens.to(device).split(size)
-    positions = batch.positions.to(device).split(size) if cfg.data.reset_positions else [None] * len(tokens)
-    masks = batch.loss_mask.to(device).split(size) if cfg.data.mask_boundary_loss else [None] * len(tokens)
-    return list(zip(tokens, positions, masks, strict=True))
-
-
-@torch.no_grad()
-def evaluate(model, stream: TokenStream, cfg: Config, info: parallel.DistInfo, micro_batch: int) -> float:
-    """Mean held-out loss over all targets (never masked, so runs with and without the mask compare)."""
-    model.eval()
-    total = 0.0
-    for j in range(cfg.train.eval_batches):
-        batch = stream.val_batch(j).to(info.device)
-        for micro in batch.split(micro_batch):
-            positions = stream.positions(micro) if cfg.data.reset_positions else None
-            with parallel.autocast(cfg.dist, info):
-                total += model(micro[:, :-1], positions, targets=micro[:, 1:]).item() * len(micro)
-    model.train()
-    n = cfg.train.eval_batches * stream.local_batch
-    return parallel.all_reduce_mean([total / n], info)[0]
-
-
-def train(cfg: Config) -> dict:
-    """Run (or resume) the training job described by cfg; returns the final summary.
-
-    Raises fault.Preempted after committing an emergency checkpoint when SIGTERM arrives."""
-    fault.die_with_launcher()
-    if cfg.dist.tune_malloc:
-        host.tune_malloc()
-    info = parallel.init_distributed(cfg.dist)
-    heartbeat, preemption = fault.Heartbeat(info.rank), fault.PreemptionFlag()
-    try:
-        return _train(cfg, info, heartbeat, preemption)
-    finally:
-        preemption.close()
-        heartbeat.close()
-        parallel.shutdown()
-
-
-def _train(cfg: Config, info: parallel.DistInfo, heartbeat: fault.Heartbeat,
-           preemption: fault.PreemptionFlag) -> dict:
+def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
+          preemption: fault.PreemptionFlag) -> Run:
+    """Data, model (sharded), optimizer and checkpointer; says what was built."""
     validate(cfg, info.world)
-    t, ck = cfg.train, cfg.checkpoint
+    t = cfg.train
     micro_batch = micro_batch_size(cfg, info.world)
-    accum = t.global_batch // (micro_batch * info.world)
     run_dir = Path(cfg.run.dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
-    say = (lambda msg: print(f"[rekindle] {msg}", flush=True)) if info.is_main else (lambda msg: None)
 
-    # --- data
     shards = open_dataset(cfg, info)
     stream = TokenStream(shards, cfg.model.seq_len, t.global_batch, cfg.data.seed, info.rank, info.world,
                          cfg.data.val_fraction)
     loader = BatchLoader(stream, cfg.data.num_workers,
                          with_positions=cfg.data.reset_positions or cfg.data.mask_boundary_loss)
     entropy = shards.manifest.stats.get("unigram_entropy_nats", float("nan"))
-    say(f"data {shards.root}: {len(shards):,} tokens, {stream.n_train:,} train / {stream.n_val:,} held-out "
-        f"samples, unigram entropy {entropy:.3f} nats")
-    evaluating = t.eval_batches > 0 and stream.n_val > 0
-    if not evaluating:
-        say("no evaluation: " + ("data.val_fraction=0 holds out no samples" if stream.n_val == 0
-                                 else "train.eval_batches=0"))
+    log.info("data %s: %s tokens, %s train / %s held-out samples, unigram entropy %.3f nats",
+             shards.root, f"{len(shards):,}", f"{stream.n_train:,}", f"{stream.n_val:,}", entropy)
+    evaluator = Evaluator(stream, cfg, info, micro_batch)
+    if not evaluator.enabled:
+        log.info("no evaluation: %s", evaluator.why_not)
 
-    # --- model (same seed on every rank: identical full weights before sharding)
-    torch.manual_seed(cfg.run.seed)
-    model = Transformer(ModelArgs(**asdict(cfg.model)))
+    torch.manual_seed(cfg.run.seed)  # the same on every rank: identical full weights before sharding
+    model = Transformer(cfg.model)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = parallel.parallelize(model, cfg.dist, info)
     optimizer = build_optimizer(model, cfg, info.device)
     peak, peak_source = peak_flops(info.device, cfg.log.peak_tflops)
-    say(f"model {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOPs/token | world {info.world} "
-        f"({info.backend}, {parallel.compute_dtype(cfg.dist, info.device)}) | global batch {t.global_batch} "
-        f"= {info.world} ranks x {accum} micro x {micro_batch} | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source})")
+    accum = t.global_batch // (micro_batch * info.world)
+    log.info("model %.2fM params, %.1f MFLOPs/token | world %d (%s, %s) | global batch %d = %d ranks x %d micro "
+             "x %d | peak %s GFLOP/s (%s)", n_params / 1e6, flops_per_token / 1e6, info.world, info.backend,
+             parallel.compute_dtype(cfg.dist, info.device), t.global_batch, info.world, accum, micro_batch,
+             f"{peak / 1e9:,.0f}", peak_source)
 
-    # --- resume
-    on_commit = (lambda step: fault.append_event(run_dir, "commit", step=step)) if info.is_main else None
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit)
-    state = checkpoint.TrainState(world=info.world, config_sha256=cfg.sha256())
-    heartbeat.beat("load", t_load=time.time())
-    if ck.resume == "never" and (existing := ckpt.list_committed()):
-        raise checkpoint.CheckpointError(
-            f"checkpoint.resume=never, but {cfg.checkpoint_dir} holds committed step(s) {existing}: set another "
+    ck = cfg.checkpoint
+    on_commit = (lambda step: protocol.append_event(run_dir, "commit", step=step)) if info.is_main else None
+    checkpointer = Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit,
+                                every=ck.every)
+    return Run(cfg, info, heartbeat, preemption, shards, loader, evaluator, model, optimizer, checkpointer,
+               micro_batch, flops_per_token, peak, TrainState(world=info.world, config_sha256=cfg.sha256()))
+
+
+# ---------------------------------------------------------------------- resume
+def resume(run: Run) -> None:
+    """Load the newest usable checkpoint (per checkpoint.resume), then start the per-step components."""
+    cfg, info, root = run.cfg, run.info, run.cfg.checkpoint_dir
+    mode = cfg.checkpoint.resume
+    run.heartbeat.beat("load", t_load=time.time())
+    if mode == "never" and (existing := run.checkpointer.list_committed()):
+        raise CheckpointError(
+            f"checkpoint.resume=never, but {root} holds committed step(s) {existing}: set another "
             "checkpoint.dir (or run.dir), or delete them to start over")
-    if ck.resume != "never":
-        latest = ckpt.discover_latest()
-        if latest is None and ck.resume == "required":
-            raise checkpoint.CheckpointError(
-                f"checkpoint.resume=required but no usable committed checkpoint in {cfg.checkpoint_dir}")
-        if latest is not None:
-            state = ckpt.load(latest, model, optimizer)
-            loader.load_state_dict(state.data or {})
-            say(f"resumed from step {state.step} ({checkpoint.step_dir(cfg.checkpoint_dir, latest)}, "
-                f"saved by {state.world} rank(s))")
-        else:
-            say(f"no committed checkpoint in {cfg.checkpoint_dir}: starting fresh")
-    heartbeat.beat("loaded", step=state.step, t_loaded=time.time(), resumed_step=state.step)
+    latest = run.checkpointer.discover_latest() if mode != "never" else None
+    if latest is None and mode == "required":
+        raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
+    if latest is not None:
+        run.state = run.checkpointer.load(latest, run.model, run.optimizer)
+        run.loader.load_state_dict(run.state.data or {})
+        log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, step_dir(root, latest),
+                 run.state.world)
+    elif mode != "never":
+        log.info("no committed checkpoint in %s: starting fresh", root)
+    run.heartbeat.beat("loaded", step=run.state.step, t_loaded=time.time(), resumed_step=run.state.step)
 
-    # --- loop
-    metrics = MetricsLog(cfg.run.dir, t.steps, state.step, info.is_main, cfg.log.progress, cfg.log.tensorboard)
-    comm = parallel.CommTimer() if parallel.CommTimer.enabled_for(info) else None
-    timer = StepTimer(info.device, comm)
-    profiler = StepProfiler(cfg.profile.steps, cfg.run.dir, info.rank, info.device)
-    profiler.maybe_start(state.step + 1)
-    data_wait_total = 0.0
-    tokens_per_step = t.global_batch * cfg.model.seq_len
-    bad_steps, skipped_total, loss_sum, window_start, window_steps, data_wait = 0, 0, 0.0, time.perf_counter(), 0, 0.0
-    eval_loss, run_start, start_step = float("nan"), time.perf_counter(), state.step
-    model.train()
-    busy_s = 0.0  # time spent in training steps this attempt (goodput's numerator)
-    while state.step < t.steps:
-        step = state.step + 1
-        fault.inject_faults(step, info.rank)
-        data_start = time.perf_counter()
-        micros = micro_batches(next(loader), micro_batch, cfg, info.device)
-        data_wait += time.perf_counter() - data_start
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    t = cfg.train
+    run.metrics = MetricsLog(cfg.run.dir, t.steps, run.state.step, info.is_main, cfg.log.progress,
+                             cfg.log.tensorboard, t.log_every, t.eval_every)
+    run.comm = parallel.CommTimer() if parallel.CommTimer.enabled_for(info) else None
+    run.timer = StepTimer(info.device, run.comm)
+    run.window = LogWindow(run.timer, lambda values: parallel.all_reduce_mean(values, info))
+    run.profiler = StepProfiler(cfg.profile.steps, cfg.run.dir, info.rank, info.device)
+    run.profiler.maybe_start(run.state.step + 1)
+    run.guard = NonFiniteGuard(t.max_bad_steps)
+    run.start_step, run.started = run.state.step, time.perf_counter()
+    run.model.train()
 
-        timer.start()
-        step_loss = torch.zeros((), device=info.device)
-        for i, (micro, positions, mask) in enumerate(micros):
-            parallel.set_gradient_sync(model, i == len(micros) - 1)
-            with parallel.autocast(cfg.dist, info):
-                loss = model(micro[:, :-1], positions, targets=micro[:, 1:], mask=mask) / len(micros)
-            loss.backward()
-            step_loss += loss.detach()
-        timer.mark()  # forward + backward done
-        # foreach=True: FSDP2's DTensor gradients would otherwise be clipped one parameter at a time
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"), foreach=True)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
 
-        if math.isfinite(grad_norm):  # the norm is global: every rank takes the same branch
-            optimizer.step()
-            bad_steps = 0
-        else:
-            bad_steps += 1
-            skipped_total += 1
-            metrics.event(f"step {step}: non-finite loss/gradient (norm {grad_norm}); step skipped "
-                          f"({bad_steps}/{t.max_bad_steps} in a row)")
-            if bad_steps >= t.max_bad_steps:
-                raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient "
-                                     f"(last at step {step}); lower train.lr or check the data")
-        optimizer.zero_grad(set_to_none=True)
-        timer.mark()  # optimizer done
-        state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
-        ckpt.poll()  # completes (or fails loudly) a background save once every rank has written it
-        busy_s += time.perf_counter() - data_start
-        heartbeat.beat("train", step=step, busy_s=busy_s, steps_run=step - start_step)
-        if step == start_step + 1:  # start-up is over: hangs from here on should fail fast
-            parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
-            if cfg.dist.tune_malloc and info.device.type == "cpu":
-                host.huge_pages_for_heap()  # the heap has its steady size now: back it with 2 MiB pages
-        loss_sum += float(step_loss)
-        window_steps += 1
-        metrics.step(step)
+# ---------------------------------------------------------------------- the step and what follows it
+def next_batch(run: Run) -> tuple[list, float]:
+    """The next batch as micro-batches, and the seconds spent waiting for it; sets this step's lr."""
+    step = run.state.step + 1
+    fault.inject_faults(step, run.info.rank)
+    start = time.perf_counter()
+    micros = micro_batches(next(run.loader), run.micro_batch, run.cfg, run.info.device)
+    data_wait = time.perf_counter() - start
+    set_lr(run.optimizer, lr_at(step, run.cfg))
+    return micros, data_wait
 
-        is_last = step == t.steps
-        evaluated = evaluating and ((t.eval_every and step % t.eval_every == 0) or is_last)
-        if evaluated:
-            heartbeat.beat("eval")
-            eval_loss = evaluate(model, stream, cfg, info, micro_batch)
-        if step % t.log_every == 0 or is_last or (t.eval_every and step % t.eval_every == 0):
-            elapsed = time.perf_counter() - window_start
-            parts = timer.window()  # per-step seconds of this rank; averaged over ranks below
-            data_wait_total += data_wait
-            loss_mean, wait, *means = parallel.all_reduce_mean(
-                [loss_sum / window_steps, data_wait, *parts.values()], info)
-            parts = dict(zip(parts, means, strict=True))
-            tokens_per_s = tokens_per_step * window_steps / elapsed
-            record = {
-                "step": step, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                "mfu": flops_per_token * tokens_per_s / (peak * info.world) if peak else 0.0,
-                "mem_mb": memory_mb(info.device), "step_time_s": elapsed / window_steps,
-                "data_wait_s": wait / window_steps, **parts, "tokens": state.tokens_seen,
-                "skipped_steps": skipped_total, "time": time.time(),
-            }
-            # other: eval, checkpoint, logging and Python between the measured phases
-            record["other_s"] = max(record["step_time_s"] - sum(record.get(k) or 0.0 for k in BREAKDOWN[:-1]), 0.0)
-            if evaluated:
-                record["eval_loss"] = eval_loss
-            metrics.log(record)
-            loss_sum, window_steps, data_wait, window_start = 0.0, 0, 0.0, time.perf_counter()
-        saved = (ck.every and step % ck.every == 0) or is_last
-        if saved:
-            heartbeat.beat("save")
-            state.data = loader.state_dict()
-            path = ckpt.save(state, model, optimizer, blocking=is_last or not ck.async_)  # the last one: sync
-            metrics.event(f"[rekindle] checkpoint step {step} -> {path} ({ckpt.last_blocking_s:.2f}s blocking)")
-        if not is_last and preemption.requested(info.world, info.device):
-            heartbeat.beat("preempt")
-            if saved:
-                ckpt.wait()  # an async save of this very step: let it commit
-            else:
-                state.data = loader.state_dict()
-                ckpt.save(state, model, optimizer, blocking=True)
-            loader.close()
-            ckpt.close()
-            metrics.close()
-            say(f"SIGTERM: emergency checkpoint of step {step} committed; exiting with code {fault.EXIT_PREEMPTED}")
-            raise fault.Preempted(step)
-        heartbeat.beat("train")
-        trace = profiler.after_step(step)
-        if trace is not None:
-            metrics.event(f"[rekindle] profiler trace of steps {cfg.profile.steps} -> {trace}")
-    trace = profiler.stop()  # a range past the last step ends with the run
+
+def after_step(run: Run, result: StepResult, step_start: float, data_wait: float) -> None:
+    """Account for the step, then evaluate, log, save and honour a preemption, each when it is due."""
+    cfg, info, state = run.cfg, run.info, run.state
+    step = state.step + 1
+    run.guard.check(step, result)
+    state.step, state.tokens_seen = step, state.tokens_seen + run.tokens_per_step
+    run.checkpointer.poll()  # completes (or fails loudly) a background save once every rank has written it
+    run.busy_s += time.perf_counter() - step_start
+    run.heartbeat.beat("train", step=step, busy_s=run.busy_s, steps_run=step - run.start_step)
+    if step == run.start_step + 1:  # start-up is over: hangs from here on should fail fast
+        parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
+        if cfg.dist.tune_malloc and info.device.type == "cpu":
+            host.huge_pages_for_heap()  # the heap has its steady size now: back it with 2 MiB pages
+    run.window.add(float(result.loss), data_wait)
+    run.metrics.step(step)
+
+    evaluated = run.evaluator.due(step)
+    if evaluated:
+        run.heartbeat.beat("eval")
+        run.eval_loss = run.evaluator.run(run.model)
+    if run.metrics.should_log(step):
+        log_record(run, step, result, evaluated)
+    final = step == cfg.train.steps
+    saved = run.checkpointer.should_save(step, final)
+    if saved:
+        run.heartbeat.beat("save")
+        state.data = run.loader.state_dict()
+        path = run.checkpointer.save(state, run.model, run.optimizer, blocking=final or not cfg.checkpoint.async_)
+        log.info("checkpoint step %d -> %s (%.2fs blocking)", step, path, run.checkpointer.last_blocking_s)
+    if not final and run.preemption.requested(info.world, info.device):
+        emergency_checkpoint(run, saved)
+    run.heartbeat.beat("train")
+    trace = run.profiler.after_step(step)
     if trace is not None:
-        metrics.event(f"[rekindle] profiler trace -> {trace}")
-    loader.close()
-    ckpt.wait()
-    ckpt.close()
-    metrics.close()
-    if comm is not None:
-        comm.close()
+        log.info("profiler trace of steps %s -> %s", cfg.profile.steps, trace)
 
-    wall = time.perf_counter() - run_start
-    steps_done = state.step - start_step
-    summary = {"steps": state.step, "steps_this_run": steps_done, "wall_s": wall, "eval_loss": eval_loss,
-               "unigram_entropy": entropy, "tokens_per_s": tokens_per_step * steps_done / wall if wall else 0.0}
-    # where the time went, per step, over this process's steps (rank means)
-    n = max(timer.totals["steps"], 1)
-    totals = parallel.all_reduce_mean([data_wait_total / n, timer.totals["fwd_bwd_s"] / n,
-                                       timer.totals["optim_s"] / n, timer.totals["comm_wait_s"] / n], info)
-    breakdown = dict(zip(BREAKDOWN[:4], totals, strict=True))
-    if comm is None:
-        breakdown.pop("comm_wait_s")
-    breakdown["step_time_s"] = wall / max(steps_done, 1)
-    breakdown["other_s"] = max(breakdown["step_time_s"] - sum(v for k, v in breakdown.items() if k != "step_time_s"),
-                               0.0)
-    summary["breakdown"] = breakdown
-    say(f"done: {steps_done} steps in {wall:.1f}s ({summary['tokens_per_s']:,.0f} tok/s) | "
-        + (f"final eval loss {eval_loss:.3f} nats vs unigram entropy {entropy:.3f} nats" if evaluating
-           else "no evaluation"))
-    say(f"time per step: {format_breakdown(breakdown)}")
+
+def log_record(run: Run, step: int, result: StepResult, evaluated: bool) -> None:
+    """One metrics.jsonl record for the steps since the previous one (collective: means over ranks)."""
+    parts = run.window.close()
+    tokens_per_s = run.tokens_per_step / parts["step_time_s"]
+    record = {
+        "step": step, "lr": lr_at(step, run.cfg), "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
+        "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * run.info.world) if run.peak_flops else 0.0,
+        "mem_mb": memory_mb(run.info.device), **parts, "tokens": run.state.tokens_seen,
+        "skipped_steps": run.guard.total, "time": time.time(),
+    }
+    if evaluated:
+        record["eval_loss"] = run.eval_loss
+    run.metrics.log(record)
+
+
+def emergency_checkpoint(run: Run, saved: bool) -> None:
+    """SIGTERM reached some rank: commit this step (or let its async save commit), then stop."""
+    run.heartbeat.beat("preempt")
+    if saved:
+        run.checkpointer.wait()  # an async save of this very step: let it commit
+    else:
+        run.state.data = run.loader.state_dict()
+        run.checkpointer.save(run.state, run.model, run.optimizer, blocking=True)
+    release(run)
+    log.info("SIGTERM: emergency checkpoint of step %d committed; exiting with code %d", run.state.step,
+             protocol.EXIT_PREEMPTED)
+    raise fault.Preempted(run.state.step)
+
+
+# ---------------------------------------------------------------------- finish and teardown
+def finish(run: Run) -> dict:
+    """The last async save committed, everything closed; the run summary (collective), said on rank 0."""
+    trace = run.profiler.stop()  # a range past the last step ends with the run
+    if trace is not None:
+        log.info("profiler trace -> %s", trace)
+    run.checkpointer.wait()
+    release(run)
+    cfg, info = run.cfg, run.info
+    wall = time.perf_counter() - run.started
+    steps_done = run.state.step - run.start_step
+    tokens = run.tokens_per_step * steps_done
+    entropy = run.shards.manifest.stats.get("unigram_entropy_nats", float("nan"))
+    summary = {"steps": run.state.step, "steps_this_run": steps_done, "wall_s": wall, "eval_loss": run.eval_loss,
+               "unigram_entropy": entropy, "tokens_per_s": tokens / wall if wall else 0.0,
+               "breakdown": run_breakdown(run, wall / max(steps_done, 1))}
+    log.info("done: %d steps in %.1fs (%s tok/s) | %s", steps_done, wall, f"{summary['tokens_per_s']:,.0f}",
+             f"final eval loss {run.eval_loss:.3f} nats vs unigram entropy {entropy:.3f} nats"
+             if run.evaluator.enabled else "no evaluation")
+    log.info("time per step: %s", format_breakdown(summary["breakdown"]))
     if cfg.log.cost_per_device_hour:
-        summary["cost"] = cost_report(info.world, wall, tokens_per_step * steps_done, 0.0, cfg.log.cost_per_device_hour)
-        say(f"{format_cost(summary['cost'])} ({info.world} device(s), this process's {wall:.1f}s)")
+        summary["cost"] = cost_report(info.world, wall, tokens, 0.0, cfg.log.cost_per_device_hour)
+        log.info("%s (%d device(s), this process's %.1fs)", format_cost(summary["cost"]), info.world, wall)
     return summary
+
+
+def run_breakdown(run: Run, step_time_s: float) -> dict[str, float]:
+    """Where the time went, per step, over this process's steps (means over ranks; collective)."""
+    totals, n = run.timer.totals, max(run.timer.totals["steps"], 1)
+    means = parallel.all_reduce_mean([run.window.data_wait_total / n, totals["fwd_bwd_s"] / n,
+                                      totals["optim_s"] / n, totals["comm_wait_s"] / n], run.info)
+    breakdown = dict(zip(BREAKDOWN[:4], means, strict=True))
+    if run.comm is None:
+        breakdown.pop("comm_wait_s")
+    return with_other({**breakdown, "step_time_s": step_time_s})
+
+
+def release(run: Run, clean: bool = True) -> None:
+    """Close what the run holds, once: loader workers, the checkpointer (after an error, not waiting
+    for a background save: its peers may be gone), files, the progress bar, the collective timer."""
+    if run.closed:
+        return
+    run.closed = True
+    run.loader.close()
+    run.checkpointer.close(wait=clean)
+    if run.metrics is not None:
+        run.metrics.close()
+    if run.comm is not None:
+        run.comm.close()

@@ -9,9 +9,9 @@ linear cross-entropy, in plain PyTorch.
 
 Why: the logits are the largest activation of a small-model step (2,048 tokens x 4,096 vocab =
 32 MiB, and as much again for their gradient; 8,192 x 32,000 in float32 = 1 GiB each for the 1B
-config). On CPU the chunks stay in cache: the output layer's forward + backward 101 -> 92 ms in
-isolation, the default config's compiled step 1.015x (A/B in one process). On a GPU it is the
-memory that is saved.
+config). On CPU each chunk's logits are turned into loss and gradient while they are still in
+cache instead of going out to memory and back, which makes the output layer faster; on a GPU it is
+the memory that is saved. Measurements: docs/performance.md, "`scripts/bench.py` (full)", change 6.
 
 The gradients are computed in the forward pass (they need the softmax, which is only complete
 there) and kept for backward, which scales them by the incoming gradient. Without autograd
@@ -90,7 +90,9 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
         if logits.device.type == "cpu":
             grad, row_loss = _softmax_and_loss(logits, h, weight, t, i)
         else:  # no host sync per chunk on a GPU (the underflow check), where the extra pass is cheap
-            log_probs = torch.log_softmax(logits, dim=-1)  # one fused kernel: 1.4x faster than logsumexp + sub
+            # one fused kernel instead of logsumexp + sub: fewer passes over the chunk (docs/performance.md,
+            # "`scripts/bench.py` (full)", change 6)
+            log_probs = torch.log_softmax(logits, dim=-1)
             row_loss = -log_probs[i, t]
             grad = log_probs.exp_() if grads else None  # softmax, in place
         if keep is not None:
@@ -114,11 +116,12 @@ def _softmax_and_loss(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
                       index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax of `logits`, computed in place, and each row's loss -log p[target]).
 
-    One pass over the logits fewer than log_softmax followed by exp: this part of the CPU step is
-    memory-bound (with blocked attention, the default config's compiled step 1.04-1.06x, see
-    docs/performance.md). A target probability under 1e-30 (a loss above 69 nats; float32 loses
-    precision further down and underflows to 0) has its row's loss recomputed from the log-sum-exp
-    of freshly projected logits (exact to float32 rounding): rare, and only those rows."""
+    One pass over the logits fewer than log_softmax followed by exp, which counts because this part of
+    the CPU step is memory-bound (measured together with blocked attention: docs/performance.md,
+    "Blocked attention and a softmax-based loss", change 8). A target probability under 1e-30 (a
+    loss above 69 nats; float32 loses precision further down and underflows to 0) has its row's loss
+    recomputed from the log-sum-exp of freshly projected logits (exact to float32 rounding): rare,
+    and only those rows."""
     target_logits = logits[index, targets]
     # out= the input: ATen's row-wise soft-max reads each row before writing it; the loss tests
     # compare loss and gradients with the plain cross_entropy, so a kernel that did not would fail them

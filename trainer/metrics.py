@@ -7,6 +7,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,6 +142,43 @@ class StepTimer:
 
 BREAKDOWN = ("data_wait_s", "fwd_bwd_s", "optim_s", "comm_wait_s", "other_s")
 
+
+def with_other(parts: dict[str, float]) -> dict[str, float]:
+    """`parts` (per-step seconds with `step_time_s`) plus `other_s`: what the measured phases leave of
+    the step (eval, checkpoint saves, logging, Python between the phases)."""
+    measured = sum(parts.get(k) or 0.0 for k in BREAKDOWN if k != "other_s")
+    return {**parts, "other_s": max(parts["step_time_s"] - measured, 0.0)}
+
+
+class LogWindow:
+    """The steps one metrics.jsonl record summarizes (those since the previous record): loss, data
+    wait and wall time, with the StepTimer's phases. `close()` is collective (means over ranks)."""
+
+    def __init__(self, timer: StepTimer, world_mean: Callable[[list[float]], list[float]]) -> None:
+        self.timer, self.world_mean = timer, world_mean
+        self.data_wait_total = 0.0  # this rank's, over the whole run
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.steps, self.data_wait, self.started = 0.0, 0, 0.0, time.perf_counter()
+
+    def add(self, loss: float, data_wait: float) -> None:
+        self.loss_sum += loss
+        self.data_wait += data_wait
+        self.steps += 1
+
+    def close(self) -> dict[str, float]:
+        """{loss, step_time_s, data_wait_s, fwd_bwd_s, optim_s[, comm_wait_s], other_s} per step, averaged
+        over ranks (step_time_s is this rank's), then a new window starts."""
+        elapsed = time.perf_counter() - self.started
+        parts = self.timer.window()  # per-step seconds of this rank
+        self.data_wait_total += self.data_wait
+        loss, wait, *means = self.world_mean([self.loss_sum / self.steps, self.data_wait, *parts.values()])
+        out = {"loss": loss, "step_time_s": elapsed / self.steps, "data_wait_s": wait / self.steps,
+               **dict(zip(parts, means, strict=True))}
+        self._reset()
+        return with_other(out)
+
 # metrics.jsonl key -> TensorBoard tag
 TB_TAGS = {
     "loss": "loss/train", "eval_loss": "loss/eval", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -164,8 +202,9 @@ class MetricsLog:
     drives the progress display."""
 
     def __init__(self, run_dir: str, total_steps: int, start_step: int, enabled: bool, progress: bool,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, log_every: int = 1, eval_every: int = 0) -> None:
         self.enabled = enabled
+        self.log_every, self.eval_every = log_every, eval_every
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb = None
         if enabled and tensorboard:
@@ -180,6 +219,11 @@ class MetricsLog:
         self.total_steps = total_steps
         self.started = time.perf_counter()
         self.start_step = start_step
+
+    def should_log(self, step: int) -> bool:
+        """Every `log_every` steps, at every eval step and at the last step (every rank: collective)."""
+        return (step % self.log_every == 0 or step == self.total_steps
+                or bool(self.eval_every and step % self.eval_every == 0))
 
     def step(self, step: int) -> None:
         if self.bar is not None:
@@ -210,14 +254,6 @@ class MetricsLog:
             parts.append(f"eval {r['eval_loss']:.4f}")
         parts += [f"lr {r['lr']:.2e}", f"{r['tokens_per_s']:,.0f} tok/s", f"mfu {100 * r['mfu']:.1f}%"]
         return " | ".join(parts)
-
-    def event(self, message: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            print(message, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

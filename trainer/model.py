@@ -6,42 +6,13 @@ and tied embeddings; given targets it returns its loss (the output layer fused w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainer.loss import linear_cross_entropy
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0 = n_heads
-    ffn_mult: float = 4.0
-    multiple_of: int = 32
-    vocab_size: int = 4096
-    seq_len: int = 256
-    tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden(self) -> int:
-        hidden = int(self.ffn_mult * self.dim * 2 / 3)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+from trainer.model_args import ModelArgs
 
 
 class RMSNorm(nn.Module):

@@ -114,7 +114,8 @@ def shutdown() -> None:
 
 
 def compute_dtype(cfg: DistConfig, device: torch.device) -> torch.dtype:
-    """auto = bf16 on GPU, fp32 on CPU (CPUs here have no bf16 hardware: 10-100x slower)."""
+    """auto = bf16 on GPU, fp32 on CPU: safe everywhere, since a CPU without bf16 hardware runs bf16 far
+    slower than fp32 (one with AMX runs it faster: docs/performance.md, "The machine")."""
     if cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
@@ -135,8 +136,8 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
             if cfg.activation_checkpointing == "full" or i % 2 == 0:  # selective: every other block
                 blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
     # Per block (as torchtitan): inside FSDP2's per-block hooks, and on GPUs at any world size, where
-    # one compiled block serves every layer, so compile time does not grow with depth (16 layers: 31 s
-    # against 140 s for the whole model, CPU inductor, 1 thread).
+    # one compiled block serves every layer, so compile time does not grow with depth, as the whole
+    # model's does (docs/performance.md, "`scripts/bench.py` (full)", change 5).
     whole_model = cfg.compile and info.world == 1 and info.device.type == "cpu"
     if cfg.compile and not whole_model:
         for block in blocks.values():
@@ -157,9 +158,9 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
         model.to(info.device)
         if whole_model:
             # No FSDP hooks to respect: one graph for the whole model also fuses across block
-            # boundaries (a block's residual add with the next block's RMSNorm): 1.03x the tokens/s
-            # of per-block compile on the default model (CPU, 1 thread), for a longer compile (4
-            # layers: 53 s against 30 s) that the small CPU models can afford.
+            # boundaries (a block's residual add with the next block's RMSNorm), a little faster than
+            # per-block compile, for a longer compile that the small CPU models can afford
+            # (docs/performance.md, "`scripts/bench.py` (full)", change 5).
             model.compile()
     return model
 
@@ -183,8 +184,8 @@ def all_reduce_mean(values: list[float], info: DistInfo) -> list[float]:
 
 def use_fused_adamw(cfg: DistConfig, device: torch.device) -> bool:
     """dist.fused_adamw: auto = the fused kernel on GPU (one launch for all parameters) and on CPU (one
-    pass over each parameter instead of one per operation: the optimizer step measured 17 -> 6 ms on
-    the default model, 1 thread); foreach elsewhere."""
+    pass over each parameter instead of one per operation, see docs/performance.md, "Where the default
+    config's step goes", change 2); foreach elsewhere."""
     return cfg.fused_adamw == "fused" or (cfg.fused_adamw == "auto" and device.type in ("cuda", "cpu"))
 
 

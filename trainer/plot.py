@@ -10,9 +10,10 @@ with the time from each failure to the next resume shaded on every panel.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from trainer.protocol import EVENTS_FILE, read_jsonl
 
 BREAKDOWN_COLORS = {"data_wait_s": ("data wait", "#9467bd"), "fwd_bwd_s": ("forward+backward", "#1f77b4"),
                     "optim_s": ("optimizer", "#2ca02c"), "comm_wait_s": ("comm wait", "#d62728"),
@@ -20,22 +21,6 @@ BREAKDOWN_COLORS = {"data_wait_s": ("data wait", "#9467bd"), "fwd_bwd_s": ("forw
 EVENT_STYLE = {"failure": ("#d62728", "x"), "restart": ("#ff7f0e", "o"), "resume": ("#2ca02c", "^"),
                "preempt": ("#9467bd", "v"), "commit": ("#1f77b4", "|"), "start": ("#000000", ">"),
                "done": ("#000000", "s")}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSON-lines file; a torn last line (a killed writer) is skipped."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def lost_intervals(events: list[dict]) -> list[tuple[float, float]]:
@@ -63,7 +48,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     metrics = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time" in r and "step" in r]
     if not metrics:
         raise FileNotFoundError(f"no metrics records in {run_dir / 'metrics.jsonl'}")
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if "event" in e and "time" in e]
+    events = [e for e in read_jsonl(run_dir / EVENTS_FILE) if "event" in e and "time" in e]
     t0 = min([r["time"] for r in metrics] + [e["time"] for e in events])
     minutes = lambda t: (t - t0) / 60.0
 
@@ -73,72 +58,89 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig, axes = plt.subplots(rows, 1, figsize=(10, 2.2 * rows + 1), sharex=True,
                              gridspec_kw={"height_ratios": heights})
     ax_loss, ax_tps, *rest = axes
-    ax_time = rest[0] if has_breakdown else None
-    ax_events = rest[-1]
-
     x = [minutes(r["time"]) for r in metrics]
-    ax_loss.plot(x, [r["loss"] for r in metrics], ".-", ms=3, lw=1, label="train loss")
+    _loss_panel(ax_loss, x, metrics, minutes)
+    _throughput_panel(ax_tps, x, metrics)
+    if has_breakdown:
+        _breakdown_panel(rest[0], x, metrics)
+    for ax in axes:
+        for a, b in lost_intervals(events):
+            ax.axvspan(minutes(a), minutes(b), color="#d62728", alpha=0.12, lw=0)
+    _events_panel(rest[-1], events, minutes, marked=(ax_loss, ax_tps))
+    fig.suptitle(_title(run_dir, metrics, events))
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "run.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _loss_panel(ax, x: list[float], metrics: list[dict], minutes) -> None:
+    ax.plot(x, [r["loss"] for r in metrics], ".-", ms=3, lw=1, label="train loss")
     evals = [r for r in metrics if "eval_loss" in r]
     if evals:
-        ax_loss.plot([minutes(r["time"]) for r in evals], [r["eval_loss"] for r in evals], "o", color="#ff7f0e",
-                     label="eval loss")
-    ax_loss.set_ylabel("loss (nats)")
-    ax_loss.legend(loc="upper right", fontsize=8)
-    ax_loss.grid(alpha=0.3)
+        ax.plot([minutes(r["time"]) for r in evals], [r["eval_loss"] for r in evals], "o", color="#ff7f0e",
+                label="eval loss")
+    ax.set_ylabel("loss (nats)")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
 
-    ax_tps.plot(x, [r["tokens_per_s"] for r in metrics], ".-", ms=3, lw=1, color="#2ca02c")
-    ax_tps.set_ylabel("tokens/s")
-    ax_tps.grid(alpha=0.3)
+
+def _throughput_panel(ax, x: list[float], metrics: list[dict]) -> None:
+    ax.plot(x, [r["tokens_per_s"] for r in metrics], ".-", ms=3, lw=1, color="#2ca02c")
+    ax.set_ylabel("tokens/s")
+    ax.grid(alpha=0.3)
     if all("mfu" in r for r in metrics):
-        mfu_ax = ax_tps.twinx()
+        mfu_ax = ax.twinx()
         mfu_ax.plot(x, [100 * r["mfu"] for r in metrics], lw=0.8, color="#8c564b", alpha=0.6)
         mfu_ax.set_ylabel("MFU %", color="#8c564b")
 
-    if ax_time is not None:
-        bottom = [0.0] * len(metrics)
-        width = min((b - a for a, b in zip(x, x[1:], strict=False) if b > a), default=0.1) * 0.9
-        for key, (label, color) in BREAKDOWN_COLORS.items():
-            vals = [r.get(key) or 0.0 for r in metrics]
-            if any(vals):
-                ax_time.bar(x, vals, width=-width, bottom=bottom, color=color, label=label, align="edge")
-                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        ax_time.set_ylabel("s / step")
-        ax_time.legend(loc="upper right", fontsize=7, ncol=3)
-        ax_time.grid(alpha=0.3)
 
-    spans = lost_intervals(events)
-    for ax in axes:
-        for a, b in spans:
-            ax.axvspan(minutes(a), minutes(b), color="#d62728", alpha=0.12, lw=0)
+def _breakdown_panel(ax, x: list[float], metrics: list[dict]) -> None:
+    bottom = [0.0] * len(metrics)
+    width = min((b - a for a, b in zip(x, x[1:], strict=False) if b > a), default=0.1) * 0.9
+    for key, (label, color) in BREAKDOWN_COLORS.items():
+        vals = [r.get(key) or 0.0 for r in metrics]
+        if any(vals):
+            ax.bar(x, vals, width=-width, bottom=bottom, color=color, label=label, align="edge")
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("s / step")
+    ax.legend(loc="upper right", fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def _events_panel(ax, events: list[dict], minutes, marked: tuple) -> None:
+    """The ledger's timeline; failures, restarts, resumes and preemptions also as lines on `marked`."""
     for name, (color, marker) in EVENT_STYLE.items():
         sel = [e for e in events if e["event"] == name]
         if not sel:
             continue
-        ax_events.scatter([minutes(e["time"]) for e in sel], [0] * len(sel), color=color, marker=marker,
-                          s=70 if name == "failure" else 50, label=name, zorder=5 if name == "failure" else 3)
+        ax.scatter([minutes(e["time"]) for e in sel], [0] * len(sel), color=color, marker=marker,
+                   s=70 if name == "failure" else 50, label=name, zorder=5 if name == "failure" else 3)
         if name in ("failure", "restart", "resume", "preempt"):
             for e in sel:
-                for ax in (ax_loss, ax_tps):
-                    ax.axvline(minutes(e["time"]), color=color, lw=0.8, ls="--", alpha=0.7)
+                for other in marked:
+                    other.axvline(minutes(e["time"]), color=color, lw=0.8, ls="--", alpha=0.7)
     for e in events:
         if e["event"] == "failure":
-            cause = e.get("cause", "?")
-            ax_events.annotate(f"rank {e.get('rank', '?')} {cause}", (minutes(e["time"]), 0), xytext=(2, 8),
-                               textcoords="offset points", fontsize=7, color="#d62728", rotation=30)
+            ax.annotate(f"rank {e.get('rank', '?')} {e.get('cause', '?')}", (minutes(e["time"]), 0), xytext=(2, 8),
+                        textcoords="offset points", fontsize=7, color="#d62728", rotation=30)
         elif e["event"] == "resume" and "lost_steps" in e:
-            ax_events.annotate(f"step {e.get('step', '?')}, lost {e['lost_steps']}", (minutes(e["time"]), 0),
-                               xytext=(2, -14), textcoords="offset points", fontsize=7, color="#2ca02c")
-    ax_events.set_yticks([])
-    ax_events.set_ylim(-1, 1)
-    ax_events.set_ylabel("events")
+            ax.annotate(f"step {e.get('step', '?')}, lost {e['lost_steps']}", (minutes(e["time"]), 0),
+                        xytext=(2, -14), textcoords="offset points", fontsize=7, color="#2ca02c")
+    ax.set_yticks([])
+    ax.set_ylim(-1, 1)
+    ax.set_ylabel("events")
     if events:
-        ax_events.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=len(EVENT_STYLE), fontsize=8,
-                         frameon=False)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=len(EVENT_STYLE), fontsize=8, frameon=False)
     else:
-        ax_events.text(0.5, 0, "no events.jsonl", transform=ax_events.get_yaxis_transform(), ha="center",
-                       va="center", fontsize=8, color="gray")
-    ax_events.set_xlabel("minutes since start")
+        ax.text(0.5, 0, "no events.jsonl", transform=ax.get_yaxis_transform(), ha="center", va="center",
+                fontsize=8, color="gray")
+    ax.set_xlabel("minutes since start")
 
+
+def _title(run_dir: Path, metrics: list[dict], events: list[dict]) -> str:
     title = f"{run_dir.name}: {metrics[-1]['step']} steps"
     done = [e for e in events if e["event"] == "done"]
     if done:
@@ -150,13 +152,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     failures = sum(e["event"] == "failure" for e in events)
     if failures:
         title += f" | {failures} failure(s)"
-    fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out) if out else run_dir / "run.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return title
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,212 @@
+"""torchrun's elastic agent (`LocalElasticAgent`) with the supervisor's hooks. The only module that
+touches torchelastic's internals (its private methods, `_pcontext`, `_worker_group`,
+`_remaining_restarts`): when a torch release moves them, this file is what to fix.
+
+What it changes in torchrun's behaviour:
+- a failed group's survivors are SIGKILLed at once instead of SIGTERMed with a 30s wait (they sit in
+  collectives with a dead peer), and the ranks still alive then are remembered as victims;
+- a restart stops the old group before the backoff, not after it (a hung rank must not hold its
+  memory or GPU through the wait); a membership change first drains the ranks (SIGTERM, then the
+  grace period to commit an emergency checkpoint);
+- between worker groups a signal to the launcher starts nothing more (`Stopping`).
+Everything else is asked of the `Hooks` (the supervisor): what to log, how long to back off, whether a
+running group is healthy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+from launch.failures import RankExit
+from trainer.process import is_alive
+
+SURVIVOR_GRACE_S = 5  # the most a failed group's survivors get to exit before SIGKILL (torchrun: 30)
+
+
+class _QuietThreadWarning(logging.Filter):
+    """torchelastic warns that it cannot install signal handlers off the main thread: this launcher
+    handles SIGTERM/SIGINT itself (and ranks die with it through PR_SET_PDEATHSIG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to register signal handlers" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietThreadWarning())
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """The running worker group as the agent sees it at one monitor interval."""
+
+    state: str  # healthy | failed | succeeded (torchelastic's WorkerState, lower case)
+    exits: dict[int, RankExit] = field(default_factory=dict)  # failed ranks by global rank (state failed)
+    victims: frozenset[int] = frozenset()  # local ranks still alive when the group was torn down
+
+
+class Hooks(Protocol):
+    """What the agent asks of the supervisor. Called on the agent's thread."""
+
+    def signalled(self) -> bool:
+        """A signal asked this node to stop: close ranks gently, start no new group."""
+
+    def hard_stop(self) -> bool:
+        """A second signal: stop waiting for the ranks."""
+
+    def before_start(self, attempt: int) -> None:
+        """A worker group with restart count `attempt` is about to start."""
+
+    def after_start(self, attempt: int, pids: dict[int, int]) -> None:
+        """It started: local rank -> pid."""
+
+    def before_restart(self, attempt: int, membership: bool) -> float:
+        """The old group is stopped (after a failure, or for a `membership` change); returns the
+        seconds to back off before the rendezvous."""
+
+    def review(self, status: GroupStatus) -> bool:
+        """Every monitor interval; True declares a running group unhealthy (it is restarted)."""
+
+
+class Stopping(Exception):
+    """Raised on the agent's thread when a signal arrived between worker groups: start nothing more."""
+
+
+class SupervisedAgent(LocalElasticAgent):
+    """torchrun's agent with the supervisor's hooks at start, monitor, stop and restart. The supervisor
+    uses `supervise`, `worker_pids`, `running`, `stop_restarts`, `terminate`, `kill` and `leave_rendezvous`."""
+
+    def __init__(self, spec: WorkerSpec, hooks: Hooks, drain_grace_s: float) -> None:
+        super().__init__(spec, DefaultLogsSpecs(), start_method="spawn", exit_barrier_timeout=60)
+        self.spec, self.hooks, self.drain_grace_s = spec, hooks, drain_grace_s
+        self._victims: set[int] = set()  # local ranks still alive when the group was torn down
+
+    # ------------------------------------------------------------------ the supervisor's interface
+    def supervise(self) -> bool:
+        """Run worker groups until one succeeds (True) or no restart is left (False). Raises `Stopping`
+        when a signal arrived between groups."""
+        result = self.run()
+        return result is not None and result.state == WorkerState.SUCCEEDED
+
+    def worker_pids(self) -> dict[int, int]:
+        """Local rank -> pid of the current group ({} between groups)."""
+        return dict(self._pcontext.pids()) if self._pcontext else {}
+
+    def running(self) -> bool:
+        """Whether any rank of the current group is still running."""
+        return any(is_alive(pid) for pid in self.worker_pids().values())
+
+    def stop_restarts(self) -> None:
+        """Let the current group be the last: when it ends, `supervise` returns."""
+        self._remaining_restarts = 0
+
+    def terminate(self, pids: Iterable[int]) -> None:
+        """SIGTERM these ranks (not their children): each finishes its step, commits and exits 75."""
+        for pid in pids:
+            _send(pid, signal.SIGTERM, group=False)
+
+    def kill(self) -> None:
+        """SIGKILL every rank's process group (the rank and its loader workers)."""
+        for pid in self.worker_pids().values():
+            _send(pid, signal.SIGKILL, group=True)
+
+    def drain(self, grace_s: float) -> None:
+        """SIGTERM every rank and wait up to `grace_s` for them to exit (a second signal ends the wait)."""
+        pids = list(self.worker_pids().values())
+        self.terminate(pids)
+        deadline = time.time() + grace_s
+        while any(is_alive(pid) for pid in pids) and time.time() < deadline and not self.hooks.hard_stop():
+            time.sleep(0.1)
+
+    def leave_rendezvous(self) -> None:
+        """Close the rendezvous for good (a preempted node leaves it open for its replacement instead)."""
+        self.spec.rdzv_handler.shutdown()
+
+    # ------------------------------------------------------------------ torchelastic's methods, overridden
+    def _restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def _start_workers(self, worker_group):
+        if self.hooks.signalled():
+            raise Stopping("signalled before the worker group started")
+        attempt = self._restart_count()  # what torchelastic gives the ranks (stop_restarts() changes it later)
+        self.hooks.before_start(attempt)
+        pids = super()._start_workers(worker_group)
+        self._fast_close(self._pcontext)
+        self.hooks.after_start(attempt, pids)
+        return pids
+
+    def _fast_close(self, pcontext) -> None:
+        """When one rank fails, torchelastic SIGTERMs the others and waits up to 30s. Those survivors
+        are stuck in collectives with the dead rank (SIGTERM only reaches Python between C++ calls),
+        so kill them at once, and remember which ranks were still alive: they are victims, not causes.
+        During a preemption the ranks get the gentle signal and the grace period instead."""
+        close = pcontext.close
+        self._victims = set()
+
+        def close_now(death_sig=None, timeout: int = 30) -> None:
+            self._victims = {lr for lr, pid in pcontext.pids().items() if is_alive(pid)}
+            if not self.hooks.signalled():
+                death_sig, timeout = death_sig or signal.SIGKILL, min(timeout, SURVIVOR_GRACE_S)
+            close(death_sig, timeout)
+
+        pcontext.close = close_now
+
+    def _stop_workers(self, worker_group) -> None:
+        # Survivors of a failure are blocked in collectives with a dead peer; a SIGSTOPped rank
+        # ignores SIGTERM. Waiting for either only delays recovery: SIGKILL the process groups.
+        self._shutdown(signal.SIGKILL, timeout=SURVIVOR_GRACE_S)
+
+    def _restart_workers(self, worker_group) -> None:
+        """Stop the group first, then back off, rendezvous and start. torchelastic restarts a healthy
+        group only when a node waits to join (a membership change): the ranks are drained first, so
+        that the new group loses no step."""
+        membership = worker_group.state == WorkerState.HEALTHY
+        if membership:
+            self.drain(self.drain_grace_s)
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        self._back_off(self.hooks.before_restart(self._restart_count(), membership))
+        self._initialize_workers(worker_group)
+
+    def _back_off(self, delay_s: float) -> None:
+        deadline = time.time() + delay_s
+        while time.time() < deadline:
+            if self.hooks.signalled():
+                raise Stopping("signalled during the backoff")
+            time.sleep(min(0.1, max(deadline - time.time(), 0.0)))
+
+    def _monitor_workers(self, worker_group) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        exits = {}
+        if result.state == WorkerState.FAILED:
+            exits = {rank: _rank_exit(rank, pf) for rank, pf in result.failures.items()}
+        status = GroupStatus(result.state.name.lower(), exits, frozenset(self._victims))
+        return RunResult(state=WorkerState.UNHEALTHY) if self.hooks.review(status) else result
+
+
+def _rank_exit(rank: int, pf) -> RankExit:
+    """torchelastic's ProcessFailure as plain data. Without an error file torchelastic fills in a
+    placeholder message; that is no error of the rank's, so it becomes None."""
+    try:
+        when, error = os.stat(pf.error_file).st_mtime, pf.error_file_data
+    except (OSError, TypeError):
+        when, error = float(pf.timestamp), None
+    return RankExit(rank, pf.local_rank, pf.exitcode, when, error)
+
+
+def _send(pid: int, sig: signal.Signals, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,130 @@
+"""Failure attribution: when a worker group fails, which rank's failure caused it, and how to tell it.
+
+Pure functions over plain data: what torchelastic reported for each failed rank (`RankExit`, built by
+`launch.agent`), the ranks' heartbeat records, and the watchdog's `Hang`. When one rank dies, the
+others fail too (their collectives lose a peer, or the agent tears them down): those are victims,
+and the root cause is the failure that explains the others."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.protocol import EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from launch.watchdog import Hang
+
+# A rank that lost a peer fails too, with one of these: it is a victim, not the root cause.
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
+               "Timed out", "timed out", "NCCL", "gloo", "ProcessGroup")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the restart policy decides on: one failure of the worker group, blamed on one rank."""
+
+    rank: int
+    cause: str  # exit | signal | hang | preemption
+    step: int  # the step that was running (last finished step + 1)
+    exit_code: int | None = None
+    signal: str | None = None
+    message: str = ""  # one line: the exception, the signal, or the hang diagnosis
+    key: str = ""  # what makes two failures the same (default: the message; a hang's names no pid or seconds)
+
+    def signature(self) -> tuple:
+        return self.cause, self.exit_code, self.signal, self.step, self.key or self.message
+
+    def describe(self) -> str:
+        how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",
+               "hang": "hung", "preemption": "was preempted (SIGTERM)"}[self.cause]
+        text = f"rank {self.rank} {how} at step {self.step}"
+        return f"{text}: {self.message}" if self.message else text
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """One failed rank as torchelastic reported it."""
+
+    rank: int  # global rank
+    local_rank: int
+    exit_code: int | None  # negative: killed by that signal
+    when: float  # unix time it failed (the error file's mtime if any: torchelastic's own stamps are whole seconds)
+    error: dict[str, Any] | None = None  # torchelastic's error-file data; None: the rank left no error file
+
+    @property
+    def killed(self) -> bool:
+        return self.exit_code is not None and self.exit_code < 0
+
+
+def signal_name(exit_code: int) -> str:
+    """The name of the signal behind a negative exit code (`-9` -> `SIGKILL`)."""
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def _error_message(error: dict[str, Any] | None) -> str:
+    message = (error or {}).get("message", "")
+    return message if isinstance(message, str) else str(message.get("message", ""))
+
+
+def first_line(error: dict[str, Any] | None) -> str:
+    """First line of the exception in torchelastic's error-file data ('' without one)."""
+    message = _error_message(error).strip()
+    return message.splitlines()[0] if message else ""
+
+
+def traceback_tail(error: dict[str, Any] | None, lines: int = 6) -> str:
+    """The last `lines` lines of the Python traceback in torchelastic's error-file data ('' without one)."""
+    message = (error or {}).get("message", {})
+    stack = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
+    return "\n".join(stack.strip().splitlines()[-lines:])
+
+
+def lost_peer(message: str) -> bool:
+    """Whether an exception says that a peer went away (a victim's error, not a root cause)."""
+    return any(pattern in message for pattern in PEER_ERRORS)
+
+
+def blame_order(failed: RankExit) -> tuple:
+    """Sort key for root causes, most to blame first: a signal; then an exception of its own, or an exit
+    that left no error file (a deliberate exit code); then a lost-peer error or an empty message;
+    earliest first within each kind, then the lowest rank."""
+    message = first_line(failed.error)
+    if failed.killed:
+        kind = 0
+    elif failed.error is None or (message and not lost_peer(message)):
+        kind = 1
+    else:
+        kind = 2
+    return kind, failed.when, failed.rank
+
+
+def root_cause(exits: dict[int, RankExit], victims: set[int]) -> RankExit:
+    """The failure that explains the others. Ranks still running when the group was torn down
+    (`victims`, by local rank) are causes only if nothing else failed."""
+    causes = [e for e in exits.values() if e.local_rank not in victims] or list(exits.values())
+    return min(causes, key=blame_order)
+
+
+def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, dict],
+               last_step: int) -> tuple[Failure, str]:
+    """The group's failure, blamed on its root cause, and a traceback excerpt ('' if none applies).
+    `beats`: the attempt's heartbeat records by rank (the step a rank was on); `last_step`: the step
+    to assume for a rank without one."""
+    cause = root_cause(exits, victims)
+    step = beats.get(cause.rank, {}).get("step", last_step) + 1
+    if cause.killed:
+        return Failure(cause.rank, "signal", step, cause.exit_code, signal_name(cause.exit_code)), ""
+    if cause.exit_code == EXIT_PREEMPTED:
+        return Failure(cause.rank, "preemption", step, cause.exit_code), ""
+    return (Failure(cause.rank, "exit", step, cause.exit_code, message=first_line(cause.error)),
+            traceback_tail(cause.error))
+
+
+def from_hang(hang: Hang) -> Failure:
+    """A hung rank as a failure. Its key names no pid or seconds: the same hang again is the same failure."""
+    return Failure(hang.rank, "hang", hang.step + 1, message=hang.describe(), key=f"rank {hang.rank} {hang.state}")

@@ -1,0 +1,74 @@
+"""How this node meets the others: torchrun's c10d dynamic rendezvous with the settings torchrun would
+use for the launcher's options, and the worker spec that runs `python -m trainer` under it. On a
+loopback endpoint (one node, the default) the rendezvous store listens on that address only; torch's
+own would listen on every interface."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from trainer.parallel import is_loopback, tcp_store_server
+
+if TYPE_CHECKING:
+    from launch.options import LaunchOptions
+
+DEFAULT_PORT = 29400  # torchrun's
+STANDALONE_ENDPOINT = "127.0.0.1:0"  # this node alone: any free loopback port
+
+
+def settings(min_nodes: int, max_nodes: int, extra: dict[str, str]) -> dict[str, str]:
+    """The c10d rendezvous settings: short keep-alives, so a lost node is noticed within seconds;
+    `extra` (--rdzv-conf) overrides them."""
+    conf = {"join_timeout": "900", "close_timeout": "10", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+    if min_nodes != max_nodes:
+        conf["last_call_timeout"] = "3"  # torchrun waits 30s for late nodes by default
+    return {**conf, **extra}
+
+
+def run_id(name: str, directory: str, standalone: bool) -> str:
+    """The rendezvous id when none is given: the nodes of one job (same run.name and run.dir) share
+    it; a standalone run gets a fresh one, so that it never meets a previous run's leftovers."""
+    salt = os.urandom(4).hex() if standalone else ""
+    return "rekindle-" + hashlib.sha256(f"{name}:{directory}:{salt}".encode()).hexdigest()[:12]
+
+
+def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: int) -> WorkerSpec:
+    """torchrun's worker spec for `python -m trainer CONFIG OVERRIDES` on this node, with its rendezvous."""
+    standalone = not opts.rdzv_endpoint
+    endpoint = opts.rdzv_endpoint or STANDALONE_ENDPOINT
+    host, _ = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+    local_addr = opts.local_addr or ("127.0.0.1" if is_loopback(host) else None)
+    params = RendezvousParameters(
+        backend="c10d", endpoint=endpoint, run_id=opts.rdzv_id or run_id(run_name, run_dir, standalone),
+        min_nodes=opts.min_nodes, max_nodes=opts.max_nodes, local_addr=local_addr,
+        **settings(opts.min_nodes, opts.max_nodes, opts.rdzv_conf))
+    # A restarted group must not reuse the agent's store: stale gloo addresses (FIELD-NOTES).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return WorkerSpec(role="trainer", local_world_size=opts.nproc_per_node, entrypoint=sys.executable,
+                      args=("-u", "-m", "trainer", opts.config_path, *opts.overrides), rdzv_handler=handler(params),
+                      max_restarts=max_restarts, monitor_interval=opts.monitor_interval_s, local_addr=local_addr)
+
+
+def handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torchrun's c10d rendezvous; on a loopback endpoint its store listens on that address only,
+    hosted by the first launcher to bind it (the others on this machine connect to it)."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    if not is_loopback(host):
+        return rdzv_registry.get_rendezvous_handler(params)
+    timeout = timedelta(seconds=int(params.get("read_timeout", "60")))
+    try:
+        store = tcp_store_server(host, port, None, timeout, multi_tenant=True)
+    except OSError:  # taken: another launcher on this machine hosts the rendezvous
+        store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+    return dynamic_rendezvous.create_handler(store, C10dRendezvousBackend(store, params.run_id), params)

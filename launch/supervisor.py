@@ -1,0 +1,245 @@
+"""The supervisor: one node's launcher. It runs torchrun's elastic agent (`launch.agent`, c10d
+rendezvous from `launch.rendezvous`) on a thread of its own and adds what torchrun lacks:
+
+- hang detection from per-rank heartbeats (`launch.watchdog`), not only process exits;
+- failure attribution (`launch.failures`): the root cause among the ranks that failed, with its message
+  and traceback, and a restart policy (`launch.policy`): backoff without progress, crash-loop and
+  bad-input stops;
+- a node joining (a membership change) is no failure: the agent drains the ranks (SIGTERM and the
+  grace period to commit an emergency checkpoint) before restarting the group with the new node;
+- preemption: SIGTERM (or Ctrl-C) to the launcher is passed to the ranks, which finish the step,
+  commit an emergency checkpoint and exit 75 within `fault.preempt_grace_s`; between worker groups
+  (rendezvous, backoff) nothing is left to ask, and the launcher stops at once;
+- the ledger (`launch.ledger`): start, failure, restart, resume, preempt, done in events.jsonl, and
+  the outcome with its exit code (trainer.protocol's EXIT_*)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from launch import failures, rendezvous
+from launch.agent import GroupStatus, SupervisedAgent
+from launch.failures import Failure
+from launch.ledger import Ledger, format_summary
+from launch.options import LaunchOptions
+from launch.policy import Decision, RestartPolicy
+from launch.watchdog import Watchdog
+from trainer.config import Config
+from trainer.cost import format_cost
+from trainer.protocol import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """One node's launcher: runs the agent, watches heartbeats, applies the restart policy, keeps the
+    ledger and decides the exit code. Its agent hooks run on the agent's thread, the rest on the main one."""
+
+    def __init__(self, cfg: Config, opts: LaunchOptions) -> None:
+        self.cfg, self.opts, f = cfg, opts, cfg.fault
+        max_restarts = f.max_restarts if opts.max_restarts is None else opts.max_restarts
+        self.policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
+        self.ledger = Ledger(Path(cfg.run.dir))
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        self.heartbeat_dir = Path(tempfile.mkdtemp(prefix="heartbeats-", dir=cfg.run.dir))
+        self.watchdog = Watchdog(self.heartbeat_dir, f.hang_timeout_s)
+        self.agent: SupervisedAgent | None = None  # created by run()
+        self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
+        self.preempt_at: float | None = None  # set by the signal handler (main thread)
+        self._hard_stop = False  # a second signal
+        self._signalled: set[int] = set()  # ranks already sent SIGTERM
+        self._decision: Decision | None = None  # the policy's, when it stopped restarting
+        self._delay_s = 0.0  # backoff before the next restart
+        self._interrupted: tuple[float, str] | None = None  # (when, why) the running group was stopped
+        self._next_check = 0.0
+        self._succeeded = False
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ agent hooks (agent thread)
+    def signalled(self) -> bool:
+        return self.preempt_at is not None
+
+    def hard_stop(self) -> bool:
+        return self._hard_stop
+
+    def before_start(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.watchdog.reset()
+
+    def after_start(self, attempt: int, pids: dict[int, int]) -> None:
+        interrupted, self._interrupted = self._interrupted, None
+        self.ledger.attempt_started(attempt, *(interrupted or (None, "")))
+        log.info(f"attempt {attempt}: {len(pids)} worker(s) started, pids {sorted(pids.values())}")
+
+    def before_restart(self, attempt: int, membership: bool) -> float:
+        """The old group is stopped: log the restart and say how long to back off."""
+        delay, self._delay_s = self._delay_s, 0.0
+        reason = "membership change" if membership else "failure"
+        if membership:
+            self._interrupted = (time.time(), reason)
+            log.info("a node is waiting to join: restarting the worker group with it")
+        self.ledger.event("restart", n=attempt, delay_s=delay, reason=reason)
+        if delay:
+            log.info(f"no progress since the last failure: waiting {delay:.1f}s before restarting")
+        return delay
+
+    def review(self, status: GroupStatus) -> bool:
+        """Every monitor interval, with the agent's own view; True turns a healthy group into a hung one."""
+        now = time.time()
+        if self.preempt_at is not None:
+            self._forward_preemption(now)
+        if status.state not in ("failed", "succeeded") and now < self._next_check:
+            return False
+        self._next_check = now + self.cfg.fault.heartbeat_s
+        beats = self.watchdog.beats(self.attempt)
+        if beats:
+            self._observe(beats[min(beats)])
+        if self.preempt_at is not None:
+            return False
+        if status.state == "failed":
+            self._on_failure(*failures.from_exits(status.exits, set(status.victims), beats, self._last_step()))
+        elif status.state == "healthy":
+            hang = self.watchdog.check(self.attempt, now)
+            if hang:
+                self._on_failure(failures.from_hang(hang), "")
+                return True
+        return False
+
+    def _last_step(self) -> int:
+        return self.ledger.attempts[-1].last_step if self.ledger.attempts else 0
+
+    def _observe(self, beat: dict) -> None:
+        """Fold this node's lowest rank's heartbeat into the ledger; say so once a restarted group resumed."""
+        event = self.ledger.observe(beat)
+        if event:
+            log.info(f"resumed at step {event['step']}: {event['lost_steps']} step(s) lost, recovery "
+                     f"{event['recovery_s']:.1f}s (restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, "
+                     f"first step {event['first_step_s']:.1f}s)")
+
+    def _on_failure(self, failure: Failure, tb: str) -> None:
+        record = self.ledger.failure(attempt=self.attempt, rank=failure.rank, cause=failure.cause, step=failure.step,
+                                     exit_code=failure.exit_code, signal=failure.signal, message=failure.message,
+                                     traceback=tb)
+        log.info(f"failure: {failure.describe()}" + (f"\n{tb}" if tb else ""))
+        self._interrupted = (record["time"], "failure")
+        decision = self.policy.decide(failure)
+        if decision.restart:
+            self._delay_s = decision.delay_s
+            log.info(f"restarting the worker group (restart {self.policy.restarts} of {self.policy.max_restarts})")
+        else:
+            self._decision = decision
+            self.agent.stop_restarts()
+            log.info(decision.reason)
+
+    def _forward_preemption(self, now: float) -> None:
+        """SIGTERM each rank once; SIGKILL them when the grace period is over or a second signal came."""
+        self.agent.stop_restarts()
+        pids = set(self.agent.worker_pids().values())
+        self.agent.terminate(pids - self._signalled)
+        self._signalled |= pids
+        if self._hard_stop or now > self.preempt_at + self.cfg.fault.preempt_grace_s:
+            self.agent.kill()
+
+    # ------------------------------------------------------------------ main thread
+    def run(self) -> int:
+        """Supervise the training run on this node to its end; returns the launcher's exit code."""
+        os.environ[HEARTBEAT_DIR_ENV] = str(self.heartbeat_dir)
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        o = self.opts
+        spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts)
+        self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
+        self.ledger.event("start", nproc_per_node=o.nproc_per_node, nnodes=f"{o.min_nodes}:{o.max_nodes}",
+                          max_restarts=self.policy.max_restarts, config=o.config_path, overrides=o.overrides)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
+        thread.start()
+        try:
+            self._wait_for(thread)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.watchdog.remove()
+        return self._finish()
+
+    def _run_agent(self) -> None:
+        try:
+            self._succeeded = self.agent.supervise()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            self._error = e
+        finally:
+            if self.preempt_at is None:  # a preempted node leaves the rendezvous open for its replacement
+                self.agent.leave_rendezvous()
+
+    def _wait_for(self, thread: threading.Thread) -> None:
+        """Wait for the agent's thread to end, or, once signalled, for no worker group to be left to ask."""
+        idle_since = None
+        while thread.is_alive():
+            thread.join(0.2)
+            if self.preempt_at is None:
+                continue
+            if self._hard_stop:
+                self.agent.kill()
+            if self.agent.running():
+                idle_since = None
+                continue
+            # Signalled, and no rank is running: the agent is in a rendezvous, a backoff or the exit
+            # barrier, where nothing acts on the signal (for up to join_timeout). Stop here.
+            idle_since = idle_since or time.time()
+            if self._hard_stop or time.time() - idle_since > 2.0:
+                log.info("no worker group is running: stopping now")
+                return
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        if self.preempt_at is not None:
+            self._hard_stop = True
+            return
+        self.preempt_at = time.time()
+        name = signal.Signals(signum).name
+        self.ledger.event("preempt", signal=name, step=self._last_step())
+        log.info(f"{name}: asking the ranks to finish the step and commit an emergency checkpoint "
+                 f"(grace {self.cfg.fault.preempt_grace_s:.0f}s; send it again to stop at once)")
+
+    def _outcome(self) -> tuple[int, str]:
+        """The exit code and one line saying why."""
+        if self._succeeded:
+            return EXIT_OK, "done"
+        if self.preempt_at is not None:
+            clean = committed_since(self.cfg.checkpoint_dir, self.preempt_at)
+            return EXIT_PREEMPTED, "preempted" if clean else "preempted (no emergency checkpoint)"
+        if self._error is not None:
+            return EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"
+        if self._decision is not None:
+            return self._decision.exit_code, self._decision.reason.splitlines()[0]
+        return EXIT_FAILED, "failed"
+
+    def _finish(self) -> int:
+        code, outcome = self._outcome()
+        c = self.cfg
+        summary = self.ledger.done(code, outcome, devices=self.opts.nproc_per_node,
+                                   tokens_per_step=c.train.global_batch * c.model.seq_len,
+                                   price=c.log.cost_per_device_hour)
+        log.info(f"{outcome}: {format_summary(summary)} -> exit {code}")
+        if "cost" in summary:
+            log.info(f"this node: {format_cost(summary['cost'])}")
+        return code
+
+
+def committed_since(root: str, t: float) -> bool:
+    """Whether the checkpoint store holds a step committed at or after unix time `t`. Asked of the
+    store itself, which every node shares: exit codes do not tell (ranks still tearing down when the
+    first one exits may be killed), and rank 0's `commit` events are in its own run.dir, which on
+    another node's pod this launcher does not see."""
+    from trainer.checkpoint.commit import committed_steps, read_commit, step_dir
+
+    try:
+        steps = committed_steps(root)
+        return bool(steps) and read_commit(step_dir(root, steps[-1]))["time"] >= t
+    except Exception as e:  # noqa: BLE001 - unreadable store: say so, and count it as not committed
+        log.warning(f"could not check {root} for the emergency checkpoint: {type(e).__name__}: {e}")
+        return False

@@ -1,0 +1,254 @@
+"""Helpers shared by the tests (fixtures are in conftest.py): paths, running the real trainer as
+separate processes (plain python, or torchrun with several gloo ranks) and reading its metrics; a
+child environment whose S3 endpoint is unreachable; small trained models and checkpoint helpers;
+the data tests' documents and dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainer import testing
+from trainer.model import ModelArgs, Transformer
+from trainer.parallel import DistInfo
+from trainer.testing import free_port
+
+if TYPE_CHECKING:
+    from data.shards import ShardSet
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "smoke.yaml"
+
+
+# --- the trainer in separate processes ------------------------------------------------------------
+
+
+def trainer_cmd(nproc: int, config: Path, overrides: list[str]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "trainer", str(config), *overrides]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
+        "-m", "trainer", str(config), *overrides,
+    ]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(extra)
+    return env
+
+
+def run_trainer(
+    run_dir: Path, overrides: list[str] = (), nproc: int = 1, timeout: float = 180, config: Path = SMOKE,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run the trainer to completion in fresh processes (bounded by `timeout`)."""
+    args = [f"run.dir={run_dir}", "log.progress=false", *overrides]
+    proc = subprocess.run(
+        trainer_cmd(nproc, config, args), cwd=REPO, env=child_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl by step; a step logged twice (before a crash and after resume) keeps the last."""
+    records: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        records[r["step"]] = r
+    return records
+
+
+# --- the trainer in this process (the speed-option tests) ----------------------------------------
+
+SHORT = ["train.steps=4", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", "train.warmup_steps=2"]
+
+
+def train_here(run_dir: Path, overrides: list[str]) -> list[float]:
+    """Run the trainer in this process; returns the loss of every step."""
+    from trainer.config import load
+    from trainer.loop import train
+
+    train(load(SMOKE, [f"run.dir={run_dir}", "log.progress=false", *overrides]))
+    return [r["loss"] for _, r in sorted(read_metrics(run_dir).items())]
+
+
+# --- object storage that cannot be reached --------------------------------------------------------
+
+SECRET = "s3cr3t-never-printed"  # the secret key in unreachable_env: no output may contain it
+
+
+def unreachable_env() -> dict[str, str]:
+    """A child environment whose S3 endpoint nobody listens on (a closed loopback port), with dummy
+    credentials and no retries, so that a client fails at once."""
+    return testing.unreachable_env(child_env(), secret=SECRET)
+
+
+# --- models and checkpoints ------------------------------------------------------------------------
+
+SOLO = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+
+
+def trained(seed: int = 0) -> tuple[Transformer, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        x = torch.randint(0, 64, (2, 17))
+        torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def smoke_model() -> tuple[Transformer, torch.optim.AdamW]:
+    from trainer.config import load
+    from trainer.optim import build_optimizer
+
+    cfg = load(SMOKE)
+    model = Transformer(ModelArgs(**{k: getattr(cfg.model, k) for k in ModelArgs.__dataclass_fields__}))
+    return model, build_optimizer(model, cfg, torch.device("cpu"))
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    for (n, p), q in zip(a[0].state_dict().items(), b[0].state_dict().values(), strict=True):
+        assert torch.equal(p, q), n
+    sa, sb = a[1].state_dict()["state"], b[1].state_dict()["state"]
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(sa[k][key], sb[k][key]), (k, key)
+
+
+def assert_params_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    pa, pb = dict(a.named_parameters(remove_duplicate=False)), dict(b.named_parameters(remove_duplicate=False))
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+def corrupted(data: bytes, how: str) -> bytes:
+    """`data` with one bit flipped in the middle ("flip") or its last 5 bytes cut off ("truncate")."""
+    if how == "flip":
+        flipped = bytearray(data)
+        flipped[len(flipped) // 2] ^= 0x10
+        return bytes(flipped)
+    if how == "truncate":
+        return data[:-5]
+    raise ValueError(f"unknown corruption {how!r}")
+
+
+def corrupt(path: Path, how: str) -> None:
+    """Flip a bit in or truncate the local file (see `corrupted`); any other `how` deletes it."""
+    if how in ("flip", "truncate"):
+        path.write_bytes(corrupted(path.read_bytes(), how))
+    else:
+        path.unlink()
+
+
+def corrupt_on_s3(url: str, how: str) -> None:
+    """`corrupt` for an object on the loopback S3 server (flip or truncate)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.pipe_file(url, corrupted(fs.cat_file(url), how))
+
+
+# The checkpoint round trips, run on local disk (tests/unit) and on the loopback S3 server
+# (tests/integration).
+
+
+def check_round_trip_is_bit_exact(root: str) -> None:
+    from trainer.checkpoint import Checkpointer, TrainState
+
+    saved = trained(0)
+    ckpt = Checkpointer(root, SOLO)
+    ckpt.save(TrainState(step=7, tokens_seen=70, data={"samples_consumed": 14}), *saved)
+    fresh = trained(1)
+    assert ckpt.discover_latest() == 7
+    state = ckpt.load(7, *fresh)
+    assert (state.step, state.tokens_seen, state.data) == (7, 70, {"samples_consumed": 14})
+    assert_same(saved, fresh)
+
+
+def odd_tensors() -> dict:
+    """Every dtype a checkpoint may hold, and tensors that are views: a slice with a storage offset, a
+    non-contiguous column slice and transpose, a scalar, an empty tensor; plus a non-tensor item."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    return {
+        "f32": torch.randn(5, 3, generator=g), "bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(4, generator=g).half(), "f64": torch.randn(2, 2, generator=g).double(),
+        "i64": torch.randint(-2**62, 2**62, (9,), generator=g), "i32": torch.randint(-9, 9, (3, 3), generator=g).int(),
+        "u8": torch.randint(0, 255, (11,), generator=g, dtype=torch.uint8), "bool": torch.rand(13, generator=g) > 0.5,
+        "c64": torch.randn(3, generator=g, dtype=torch.complex64),
+        "rows": base[2:5], "cols": base[:, 1:4], "t": base.t(), "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+        "step": 12, "note": {"lr": 0.1, "betas": (0.9, 0.95)},
+    }
+
+
+def blank(sd: dict) -> dict:
+    """The same structure: tensors zeroed, other values None."""
+    return {k: blank(v) if isinstance(v, dict) else torch.zeros_like(v) if torch.is_tensor(v) else None
+            for k, v in sd.items()}
+
+
+def check_raw_format_round_trip_is_bit_exact(path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from trainer import storage
+    from trainer.checkpoint.format import RAW_FORMAT, load_metadata, load_state, writer
+
+    sd = odd_tensors()
+    w = writer(path)
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    fs, p = storage.filesystem(path)
+    meta = load_metadata(fs.cat_file(f"{p}/.metadata"))
+    formats = {k.fqn: v.transform_descriptors for k, v in meta.storage_data.items()}
+    assert {k for k, f in formats.items() if f == (RAW_FORMAT,)} == {k for k, v in sd.items() if torch.is_tensor(v)}
+    assert formats["step"] is None and formats["note.lr"] is None  # objects: torch.save'd, as DCP does
+    assert set(w.digests) == {"__0_0.distcp", ".metadata"}
+    for name, info in w.digests.items():  # hashed as written == hashed as stored
+        assert info[storage.CHECKSUM] == storage.checksum_file(fs, f"{p}/{name}"), name
+    got = blank(sd)
+    load_state(got, path)
+    for k, v in sd.items():
+        if torch.is_tensor(v):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+TEXTS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # number {i}\n" * (1 + i % 5) for i in range(300)]
+
+
+def make_dataset(out) -> ShardSet:
+    """TEXTS prepared into small shards (2,000 tokens) so that reads cross shard boundaries."""
+    from data import tokenizer as tokenizers_
+    from data.prepare import prepare
+    from data.shards import ShardSet
+
+    tok = tokenizers_.train(TEXTS, vocab_size=300)
+    prepare(TEXTS, str(out), tok, shard_tokens=2000, progress=False)
+    return ShardSet(str(out))
+
+
+def upload(local: ShardSet, url: str) -> str:
+    """Copy a local dataset's files to `url` (file by file: plain PUTs)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    for f in sorted(Path(local.root).iterdir()):
+        fs.pipe_file(f"{path}/{f.name}", f.read_bytes())
+    return url

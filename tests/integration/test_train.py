@@ -1,0 +1,117 @@
+"""End-to-end training in real processes: python -m trainer and torchrun with 2 gloo ranks (FSDP2)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, SMOKE, child_env, read_metrics, run_trainer, trainer_cmd
+
+STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=6"]
+
+
+@pytest.fixture(scope="module")
+def single(cache_dir, tmp_path_factory) -> Path:
+    """A reference run: 1 process, 12 steps, global batch 8 = 2 micro-batches of 4."""
+    run_dir = tmp_path_factory.mktemp("single")
+    run_trainer(run_dir, STEPS)
+    return run_dir
+
+
+def test_single_process_run_writes_metrics_config_and_checkpoints(single):
+    metrics = read_metrics(single)
+    assert sorted(metrics) == list(range(1, 13))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_mb", "data_wait_s"):
+        assert key in metrics[12]
+    assert "eval_loss" in metrics[6] and "eval_loss" in metrics[12]
+    assert 0 < metrics[12]["mfu"] < 1.5 and metrics[12]["tokens_per_s"] > 0
+    assert (single / "config.yaml").read_text().count("steps: 12") == 1
+    steps = sorted(p.name for p in (single / "checkpoints").iterdir())
+    assert steps == ["step-00000006", "step-00000012"]
+    for step in steps:
+        assert (single / "checkpoints" / step / "COMMIT.json").exists()
+        state = json.loads((single / "checkpoints" / step / "train_state.json").read_text())
+        assert state["step"] == int(step[-8:]) and state["data"]["samples_consumed"] == 8 * state["step"]
+
+
+def test_two_ranks_fsdp_match_one_process(single, tmp_path):
+    """Same global batch (8): 2 ranks x 1 micro-batch of 4 vs 1 process x 2 micro-batches of 4."""
+    proc = run_trainer(tmp_path, STEPS, nproc=2)
+    assert "world 2 (gloo" in proc.stdout
+    one, two = read_metrics(single), read_metrics(tmp_path)
+    assert sorted(two) == sorted(one)
+    for step in one:
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=2e-4), step
+    assert two[12]["eval_loss"] == pytest.approx(one[12]["eval_loss"], abs=2e-4)
+
+
+def test_loss_goes_down_on_the_smoke_config(cache_dir, tmp_path):
+    run_trainer(tmp_path, ["train.steps=60", "train.log_every=5", "train.eval_every=0", "checkpoint.every=0"])
+    metrics = read_metrics(tmp_path)
+    assert metrics[60]["loss"] < metrics[5]["loss"] - 0.5
+    assert metrics[60]["eval_loss"] < 6.0
+
+
+@pytest.mark.parametrize("no_eval", ["data.val_fraction=0", "train.eval_batches=0"])
+def test_run_without_evaluation_completes_and_commits_its_last_step(cache_dir, tmp_path, no_eval):
+    proc = run_trainer(tmp_path, ["train.steps=4", "train.log_every=1", "train.eval_every=2", "checkpoint.every=2",
+                                  no_eval])
+    assert "no evaluation" in proc.stdout
+    assert not any("eval_loss" in r for r in read_metrics(tmp_path).values())
+    assert (tmp_path / "checkpoints" / "step-00000004" / "COMMIT.json").exists()
+    if no_eval.startswith("data."):  # resuming with another held-out share: refused in one clear line
+        again = run_trainer(tmp_path, ["train.steps=6", "checkpoint.every=2"], check=False)
+        assert again.returncode == 1 and "Traceback" not in again.stderr
+        assert "error: saved data state has" in again.stderr and "data.val_fraction changed" in again.stderr
+
+
+def test_killed_run_resumes_from_last_checkpoint_bit_identical(cache_dir, tmp_path):
+    """SIGKILL the trainer right after its first checkpoint commits; a second start resumes from it
+    and produces exactly the losses of an uninterrupted run."""
+    overrides = ["train.steps=300", "train.log_every=1", "train.eval_every=0", "checkpoint.every=10",
+                 "checkpoint.keep=50", "log.progress=false"]
+    reference = tmp_path / "reference"
+    run_trainer(reference, overrides)
+
+    crashed = tmp_path / "crashed"
+    proc = subprocess.Popen(trainer_cmd(1, SMOKE, [f"run.dir={crashed}", *overrides]), cwd=REPO,
+                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    commit = crashed / "checkpoints" / "step-00000010" / "COMMIT.json"
+    deadline = time.monotonic() + 120
+    while not commit.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    before = read_metrics(crashed)
+    assert max(before) < 300
+
+    second = run_trainer(crashed, overrides)
+    resumed_from = int(second.stdout.split("resumed from step ")[1].split()[0])
+    assert resumed_from >= 10 and resumed_from % 10 == 0
+    ref, after = read_metrics(reference), read_metrics(crashed)
+    assert sorted(after) == list(range(1, 301))
+    assert [after[s]["loss"] for s in after] == [ref[s]["loss"] for s in ref]
+
+
+def test_torchrun_smoke_config_end_to_end(cache_dir, tmp_path):
+    """The CLI contract: `torchrun --nproc-per-node 2 -m trainer configs/smoke.yaml` as a user types it."""
+    run_trainer(tmp_path, [], nproc=2)
+    metrics = read_metrics(tmp_path)
+    assert max(metrics) == 40 and all(r["loss"] > 0 for r in metrics.values())
+
+
+def test_non_finite_steps_are_skipped_then_abort_with_clear_error(cache_dir, tmp_path):
+    """An absurd learning rate blows the weights up after one step: every later gradient is NaN."""
+    proc = run_trainer(tmp_path, ["train.lr=1e30", "train.min_lr=0", "train.grad_clip=0", "train.warmup_steps=0",
+                                  "train.log_every=1", "train.max_bad_steps=3"], check=False)
+    assert proc.returncode == 1
+    assert "error: 3 steps in a row had a non-finite loss or gradient (last at step 4)" in proc.stderr
+    metrics = read_metrics(tmp_path)
+    assert metrics[1]["skipped_steps"] == 0 and metrics[3]["skipped_steps"] == 2
+    assert not (tmp_path / "checkpoints").exists()  # nothing bad was saved

@@ -1,0 +1,122 @@
+"""The launcher's parts on their own, in this process: restart policy decisions, torchrun's words for
+--nproc-per-node, goodput accounting, and the Kubernetes recipe. (The watchdog on real processes,
+CLI errors and the Slurm recipe: tests/integration/test_launch_cli.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from launch.failures import Failure
+from launch.ledger import Attempt, Ledger
+from launch.policy import RestartPolicy
+from tests.helpers import REPO
+from trainer.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_USAGE, read_events
+
+
+def kill(step: int, rank: int = 1) -> Failure:
+    return Failure(rank, "signal", step, -9, "SIGKILL")
+
+
+def test_policy_restarts_at_once_after_progress_and_backs_off_without_it():
+    policy = RestartPolicy(max_restarts=10, backoff_s=1.0, crash_loop_repeats=5)
+    assert policy.decide(kill(30)).delay_s == 0.0
+    assert policy.decide(kill(50)).delay_s == 0.0  # got further: no backoff
+    assert policy.decide(kill(45)).delay_s == 1.0  # no progress past step 50
+    assert policy.decide(kill(48)).delay_s == 2.0
+    assert policy.decide(kill(60)).delay_s == 0.0  # progress again
+
+
+def test_policy_stops_a_crash_loop_before_the_budget_is_spent():
+    policy = RestartPolicy(max_restarts=10, crash_loop_repeats=3)
+    boom = Failure(1, "exit", 12, 1, message="RuntimeError: boom")
+    assert policy.decide(boom).restart and policy.decide(boom).restart
+    decision = policy.decide(boom)
+    assert not decision.restart and decision.exit_code == EXIT_CRASH_LOOP
+    assert "crash loop" in decision.reason and "step 12" in decision.reason and "RuntimeError: boom" in decision.reason
+    assert policy.restarts == 2  # 8 of 10 restarts were not wasted
+
+
+def test_policy_budget_and_bad_input():
+    policy = RestartPolicy(max_restarts=1)
+    assert policy.decide(kill(5)).restart
+    spent = policy.decide(kill(9))
+    assert not spent.restart and spent.exit_code == EXIT_FAILED and "budget" in spent.reason
+    bad = RestartPolicy(max_restarts=5).decide(Failure(0, "exit", 1, EXIT_USAGE, message="ConfigError: x"))
+    assert not bad.restart and bad.exit_code == EXIT_USAGE
+
+
+def test_the_same_hang_again_and_again_is_a_crash_loop():
+    """A hang's message names the pid and how long the rank was stale, which differ every time; its
+    key does not, so a deterministic deadlock stops early instead of spending the restart budget."""
+    policy = RestartPolicy(max_restarts=10, crash_loop_repeats=3)
+    hangs = [Failure(0, "hang", 13, message=f"rank 0 (pid {pid}) is stopped: no step finished for {s}s after step 12",
+                     key="rank 0 stopped") for pid, s in ((101, 60.1), (202, 60.4), (303, 60.2))]
+    assert policy.decide(hangs[0]).restart and policy.decide(hangs[1]).restart
+    assert policy.decide(hangs[2]).exit_code == EXIT_CRASH_LOOP
+
+
+def test_nproc_per_node_takes_torchruns_words():
+    from launch.__main__ import nproc_per_node
+
+    assert nproc_per_node("3") == 3
+    assert nproc_per_node("cpu") == (os.cpu_count() or 1)
+    assert nproc_per_node("auto") == (os.cpu_count() or 1)  # no GPU here: the CPUs
+    with pytest.raises(ValueError):
+        nproc_per_node("gpu")  # asked for GPUs, there are none
+    with pytest.raises(ValueError):
+        nproc_per_node("many")
+
+
+def test_goodput_counts_only_steps_that_survived(tmp_path):
+    ledger = Ledger(tmp_path, started=0.0)
+    # attempt 0 ran steps 1..50 in 50s; the next attempt resumed from 40: steps 41..50 were lost.
+    ledger.attempts = [Attempt(0, 0.0, resumed_step=0, last_step=50, busy_s=50.0, steps_run=50),
+                       Attempt(1, 60.0, resumed_step=40, last_step=100, busy_s=60.0, steps_run=60)]
+    assert ledger.productive_s() == pytest.approx(40.0 + 60.0)
+    ledger.resumes = [{"step": 40, "lost_steps": 10, "recovery_s": 5.0}]
+    summary = ledger.summary(ended=125.0)
+    assert summary["goodput"] == pytest.approx(100 / 125, abs=1e-4)
+    assert summary["lost_s"] == pytest.approx(5.0 + 10.0)  # the recovery, and the 10 steps redone
+    assert summary["steps_kept"] == 100
+
+
+def test_the_done_event_carries_the_outcome_and_with_a_price_the_cost(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.attempts = [Attempt(0, ledger.started, resumed_step=10, last_step=30, busy_s=2.0, steps_run=20)]
+    summary = ledger.done(3, "crash loop", devices=2, tokens_per_step=1024, price=2.5)
+    done = read_events(tmp_path)[-1]
+    assert (done["event"], done["exit_code"], done["outcome"], done["steps_kept"]) == ("done", 3, "crash loop", 20)
+    assert done["cost"] == summary["cost"]
+    cost = done["cost"]
+    assert (cost["devices"], cost["tokens"], cost["price_per_device_hour"]) == (2, 20 * 1024, 2.5)
+    ledger.done(0, "done")
+    assert "cost" not in read_events(tmp_path)[-1]
+
+
+def test_rendezvous_settings_and_ids():
+    from launch import rendezvous
+
+    fixed = rendezvous.settings(2, 2, {})
+    assert "last_call_timeout" not in fixed and fixed["join_timeout"] == "900"
+    assert rendezvous.settings(1, 2, {})["last_call_timeout"] == "3"  # elastic: do not wait 30s for late nodes
+    assert rendezvous.settings(1, 2, {"join_timeout": "60"})["join_timeout"] == "60"  # --rdzv-conf wins
+    job = rendezvous.run_id("demo", "runs/demo", standalone=False)
+    assert job == rendezvous.run_id("demo", "runs/demo", standalone=False)  # every node of the job agrees
+    assert job != rendezvous.run_id("demo", "runs/other", standalone=False)
+    assert rendezvous.run_id("demo", "runs/demo", standalone=True) != rendezvous.run_id("demo", "runs/demo", True)
+
+def test_kubernetes_recipe_is_an_elastic_pytorchjob():
+    docs = list(yaml.safe_load_all((REPO / "launch" / "cluster" / "pytorchjob.yaml").read_text()))
+    job = next(d for d in docs if d and d.get("kind") == "PyTorchJob")
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    spec = job["spec"]
+    policy = spec["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d" and policy["minReplicas"] <= policy["maxReplicas"]
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    container = worker["template"]["spec"]["containers"][0]
+    command = " ".join(container["command"] + container.get("args", []))
+    assert container["name"] == "pytorch" and "launch" in command
+    assert worker["template"]["spec"]["terminationGracePeriodSeconds"] >= 30  # room for the emergency checkpoint

@@ -1,0 +1,274 @@
+"""The collective side of checkpoints: `Checkpointer`, one per rank, whose every public method is a
+collective call (all ranks call it, in the same order): save (sync or async), commit (agree that
+every rank wrote its shards, then rank 0 commits), discover the newest usable step (every rank
+verifies its share), and load (resharded to this world size). The files and rules it relies on are
+in `commit` (no collectives), `format` (bytes on disk), `spool` and `staging`."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer import fault, storage
+from trainer.checkpoint import commit, format
+from trainer.checkpoint.commit import COMMIT, TrainState, step_dir
+from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError
+from trainer.checkpoint.spool import Spool
+from trainer.checkpoint.staging import AsyncStager
+from trainer.parallel import DistInfo
+
+log = logging.getLogger("rekindle.checkpoint")
+
+
+def _rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Parameters registered under several names (tied embeddings): {other name: first name}, with the
+    names `get_state_dict` uses (no activation-checkpoint or compile wrappers)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
+@dataclass
+class _PendingSave:
+    state: TrainState
+    path: str
+    future: Any  # concurrent.futures.Future: this rank's {file: {size, checksum}} once its shards are written
+
+
+class _Collectives:
+    """all_gather / broadcast / barrier of picklable objects; no-ops at world size 1."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+class Checkpointer:
+    """Saves and restores model + optimizer + train state; one instance per rank, every method collective."""
+
+    def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False,
+                 on_commit: Any = None, every: int = 0) -> None:
+        self.root, self.info, self.keep, self.keep_every, self.every = root, info, keep, keep_every, every
+        self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
+        self._all = _Collectives(info.world)
+        self._stager = AsyncStager(info.device, info.world) if async_ else None
+        self._pending: _PendingSave | None = None
+        self._save_s = 0.0
+        self._spool = Spool()
+        self._unusable: set[int] = set()  # committed steps that failed to verify (deleted once one is newer)
+
+    @property
+    def last_blocking_s(self) -> float:
+        """Time the last save() held the caller, plus any wait of optimizer.step() for its async copy."""
+        return self._save_s + (self._stager.waited_s if self._stager else 0.0)
+
+    # ------------------------------------------------------------------ save
+    def should_save(self, step: int, final: bool) -> bool:
+        """Every `every` steps (0: never) and at the final step."""
+        return bool(self.every and step % self.every == 0) or final
+
+    def save(self, state: TrainState, model: nn.Module, optimizer, blocking: bool = True) -> str:
+        """Write step `state.step`. Blocking: returns once committed. Async: returns once the copy of
+        the state has started; `optimizer.step()` waits for the copy to finish."""
+        start = time.perf_counter()
+        self.wait()  # at most one save in flight
+        path = step_dir(self.root, state.step)
+        state = TrainState(**{**asdict(state), "rng": self._all.gather(_rng_state()), "tied": tied_parameters(model)})
+        if self.info.is_main:
+            commit.clear_uncommitted(path)
+        self._all.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        injected = fault.write_fault(state.step, self.info.rank)
+        if self._stager is not None and not blocking:
+            future = self._stager.submit(sd, optimizer, lambda copy, group: self._write(copy, path, injected, group))
+            self._pending = _PendingSave(state, path, future)
+            self._save_s = time.perf_counter() - start
+            return path
+        error = ""
+        try:
+            files = self._write(sd, path, injected, None)
+        except SAVE_ERRORS as e:  # reported collectively below, then raised on every rank
+            error, files = format.describe_error(e, self.info.rank), {}
+        self._commit(state, path, files, error)
+        self._save_s = time.perf_counter() - start
+        return path
+
+    def _write(self, sd: dict, path: str, injected, group) -> dict[str, dict]:
+        """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
+        writer = format.writer(path, injected)
+        with format.quiet_single_process():
+            dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
+        fs, p = storage.filesystem(path)
+        for name, info in writer.digests.items():  # a stat, not a re-read: catches short writes
+            if int(fs.size(f"{p}/{name}")) != info["size"]:
+                raise OSError(f"{path}/{name} is {fs.size(f'{p}/{name}')} bytes after writing {info['size']}")
+        return dict(writer.digests)
+
+    def poll(self) -> None:
+        """Once per training step: finish a background save when every rank's write is done.
+        An error in any rank's background write is raised on every rank here, within one step."""
+        if self._pending is None:
+            return
+        done = self._pending.future.done()
+        failed = done and self._pending.future.exception() is not None
+        flags = torch.tensor([int(failed), int(not done)], device=self.info.device)  # NCCL: a GPU tensor
+        if self.info.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] or not flags[1]:
+            self._finish_pending()
+
+    def wait(self) -> None:
+        """Block until a background save (if any) is committed or has failed."""
+        if self._pending is not None:
+            with contextlib.suppress(*SAVE_ERRORS):
+                self._pending.future.result()
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        try:
+            files, error = pending.future.result(), ""
+        except SAVE_ERRORS as e:
+            files, error = {}, f"background save failed: {format.describe_error(e, self.info.rank)}"
+        self._commit(pending.state, pending.path, files, error)
+
+    def _commit(self, state: TrainState, path: str, files: dict, error: str) -> None:
+        """Agree that every rank wrote its shards, then rank 0 commits; an error reaches every rank."""
+        results = self._all.gather((error, files))
+        errors = list(dict.fromkeys(e for e, _ in results if e))  # a DCP error reaches every rank: say it once
+        if not errors and self.info.is_main:
+            fault.crash_point("commit", state.step, self.info.rank)
+            try:
+                commit.write_commit(self.root, path, state, {k: v for _, f in results for k, v in f.items()},
+                                    self.info.world)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"rank 0: writing {COMMIT} failed: {type(e).__name__}: {e}")
+            else:
+                self._after_commit(state.step)
+        errors = self._all.broadcast(errors)
+        if errors:
+            message = f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors)
+            log.error("%s", message)  # on every rank (the others say which rank they are)
+            raise CheckpointError(message)
+
+    def _after_commit(self, step: int) -> None:
+        """Rank 0, once `step` is committed: prune and record it. Neither may fail the save (nor keep
+        rank 0 from the broadcast that follows)."""
+        def prune() -> None:
+            commit.prune(self.root, step, self.keep, self.keep_every, frozenset(self._unusable))
+            self._unusable.difference_update([s for s in self._unusable if s >= step])  # gone, or re-saved
+
+        for what, then in (("deleting old steps", prune),
+                           ("recording the commit", lambda: self.on_commit and self.on_commit(step))):
+            try:
+                then()
+            except Exception as e:  # noqa: BLE001
+                log.warning("step %d is committed, but %s failed: %s: %s", step, what, type(e).__name__, e)
+
+    # ------------------------------------------------------------------ discover, verify, load
+    def list_committed(self) -> list[int]:
+        """`commit.committed_steps` of rank 0, on every rank; or CheckpointError on every rank (not a
+        collective timeout) when listing fails."""
+        listing = None
+        if self.info.is_main:
+            try:
+                listing = ("", commit.committed_steps(self.root))
+            except Exception as e:  # noqa: BLE001 - said on every rank below
+                listing = (str(e) if isinstance(e, CheckpointError) else f"listing {self.root}: {e!r}", [])
+        error, steps = self._all.broadcast(listing)
+        if error:
+            raise CheckpointError(error)
+        return steps
+
+    def discover_latest(self) -> int | None:
+        """Newest committed step that verifies on every rank; the same answer on every rank."""
+        error = ""
+        for step in reversed(self.list_committed()):
+            try:
+                problem = self._verify_share(step)
+            except Exception as e:  # noqa: BLE001 - storage unreachable (or a bug): stop on every rank
+                problem, error = "", str(e) if isinstance(e, CheckpointError) else f"verifying step {step}: {e!r}"
+            results = self._all.gather((problem, error))
+            error = next((e for _, e in results if e), "")
+            problems = [p for p, _ in results if p]
+            if error:
+                break
+            if not problems:
+                return step
+            self._unusable.add(step)
+            if self.info.is_main:
+                log.warning("step %d is unusable, falling back: %s", step, problems[0])
+        self._spool.drop()
+        if error:
+            raise CheckpointError(error)
+        return None
+
+    def _verify_share(self, step: int) -> str:
+        """Verify this rank's share of `step`; for a remote checkpoint the verified files stay in the
+        spool until `load` reads them (one download per file, and the bytes loaded are the bytes verified)."""
+        self._spool.drop()
+        spool = None if storage.is_local(self.root) else self._spool.open(step)
+        return commit.verify(step_dir(self.root, step), self.info.rank, self.info.world, spool)
+
+    def load(self, step: int, model: nn.Module, optimizer) -> TrainState:
+        """Load model and optimizer (resharded to this world size) and the train state of `step`."""
+        path = step_dir(self.root, step)
+        fs, p = storage.filesystem(path)
+        format.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads anything
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        try:
+            format.load_state(sd, path, self.info.world == 1, self._spool.files(step))
+        finally:
+            self._spool.drop()
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        state = commit.read_train_state(path)
+        if state.world == self.info.world and len(state.rng) == self.info.world:
+            rng = base64.b64decode(state.rng[self.info.rank])
+            torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+        return state
+
+    def close(self, wait: bool = True) -> None:
+        """Release the spool and the background writer (local: no collective). `wait=False` (after an
+        error) does not wait for a background write, which may be stuck in a collective with a dead peer."""
+        self._spool.drop()
+        if self._stager is not None:
+            self._stager.close(wait)

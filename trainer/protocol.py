@@ -1,0 +1,140 @@
+"""The trainer <-> launcher contract, imported by both sides: environment variable names, exit codes,
+the heartbeat record each rank rewrites, and the `events.jsonl` ledger. Torch-free, so the launcher
+and `--help` stay light.
+
+Heartbeat file: one per rank in `$REKINDLE_HEARTBEAT_DIR/rank-<r>.json`, a fixed-size JSON record
+rewritten in place (one `pwrite`, no rename) after every step and at each phase change:
+`{pid, rank, attempt, phase, step, t, t_proc, t_load, t_loaded, t_first, resumed_step, busy_s, steps_run}`.
+`t_*` are unix times: process start, checkpoint load start/end, first step done in this attempt.
+
+Ledger: `run.dir/events.jsonl`, one JSON object per line with an `event` field, appended by the
+launcher (start, failure, restart, resume, preempt, done) and by rank 0 (commit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.process import process_start_time
+
+# --- environment variables set by the launcher for its ranks (and by tests for fault injection)
+HEARTBEAT_DIR_ENV = "REKINDLE_HEARTBEAT_DIR"  # where each rank rewrites its heartbeat record
+LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"  # ranks die with this process (PR_SET_PDEATHSIG)
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchelastic's: the worker group's attempt number
+FAIL_AT_ENV = "REKINDLE_FAIL_AT"  # "step[:rank]": raise at that step (every attempt): a deterministic crash
+HANG_AT_ENV = "REKINDLE_HANG_AT"  # "step[:rank]": spin forever at that step (first attempt only)
+CRASH_AT_ENV = "REKINDLE_CRASH_AT"  # "point@step[:rank]": a fault inside a checkpoint save (trainer.fault)
+
+# --- exit codes, of a rank and of the launcher
+EXIT_OK = 0
+EXIT_FAILED = 1  # an error; for the launcher: restart budget spent, or a failure restarting cannot fix
+EXIT_USAGE = 2  # bad command line, config or input: restarting cannot fix it
+EXIT_CRASH_LOOP = 3  # launcher: the same failure at the same step again and again
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after an emergency checkpoint; launch again to resume
+
+HEARTBEAT_BYTES = 512
+EVENTS_FILE = "events.jsonl"
+
+
+def attempt() -> int:
+    """The worker group's attempt number (0 without torchelastic)."""
+    return int(os.environ.get(RESTART_COUNT_ENV, 0))
+
+
+def injection_target(spec: str) -> tuple[int, int | None] | None:
+    """`step[:rank]` -> (step, rank or None for every rank); '' -> None."""
+    if not spec:
+        return None
+    step, _, rank = spec.partition(":")
+    return int(step), (int(rank) if rank else None)
+
+
+def injected(spec: str, step: int, rank: int) -> bool:
+    """Whether the fault-injection spec `step[:rank]` names this step on this rank."""
+    target = injection_target(spec)
+    return target is not None and target[0] == step and target[1] in (None, rank)
+
+
+class Heartbeat:
+    """This rank's progress record for the launcher's watchdog. Without $REKINDLE_HEARTBEAT_DIR it does nothing."""
+
+    def __init__(self, rank: int) -> None:
+        directory = os.environ.get(HEARTBEAT_DIR_ENV)
+        self._fd: int | None = None
+        self.record: dict[str, Any] = {
+            "pid": os.getpid(), "rank": rank, "attempt": attempt(),
+            "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
+            "t_loaded": 0.0, "t_first": 0.0, "resumed_step": 0, "busy_s": 0.0, "steps_run": 0,
+        }
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(Path(directory) / f"rank-{rank}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._write()
+
+    def beat(self, phase: str | None = None, step: int | None = None, **fields: Any) -> None:
+        if self._fd is None:
+            return
+        now = time.time()
+        if phase:
+            self.record["phase"] = phase
+        if step is not None:
+            if self.record["t_first"] == 0.0 and phase == "train":
+                self.record["t_first"] = now
+            self.record["step"] = step
+        self.record.update(fields, t=now)
+        self._write()
+
+    def _write(self) -> None:
+        os.pwrite(self._fd, json.dumps(self.record).encode().ljust(HEARTBEAT_BYTES), 0)
+
+    def close(self, phase: str = "done") -> None:
+        if self._fd is not None:
+            self.beat(phase)
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_heartbeats(directory: str | Path) -> dict[int, dict]:
+    """Every readable heartbeat record in a directory, by rank (a torn or empty file is skipped)."""
+    beats = {}
+    for path in Path(directory).glob("rank-*.json"):
+        try:
+            record = json.loads(path.read_bytes().decode().strip() or "null")
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and "rank" in record:
+            beats[int(record["rank"])] = record
+    return beats
+
+
+def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict:
+    """Append one record to run_dir/events.jsonl (O_APPEND: one write per line)."""
+    record = {"event": event, "time": time.time(), **fields}
+    path = Path(run_dir) / EVENTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file ([] without it); a torn line (a killed writer) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # blank or torn
+            continue
+    return records
+
+
+def read_events(run_dir: str | Path) -> list[dict]:
+    """Every record of run_dir/events.jsonl, oldest first ([] without the file)."""
+    return read_jsonl(Path(run_dir) / EVENTS_FILE)

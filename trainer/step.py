@@ -1,0 +1,85 @@
+"""One optimizer step: forward and backward over the micro-batches (gradient accumulation), clipping,
+the non-finite guard, the optimizer step. `train_step` returns a small `StepResult`; what happens
+after the step (eval, logging, checkpoints) is the loop's."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from data.stream import BatchWithPositions
+from trainer import parallel
+from trainer.config import Config
+from trainer.metrics import StepTimer
+
+log = logging.getLogger("rekindle.step")
+
+Micro = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # tokens, RoPE positions, loss mask
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's loss of the step (mean over its micro-batches), detached, not synced
+    grad_norm: float  # global (every rank has the same)
+    skipped: bool  # non-finite loss or gradient: the optimizer step was not taken
+
+
+def micro_batches(batch: torch.Tensor | BatchWithPositions, size: int, cfg: Config,
+                  device: torch.device) -> list[Micro]:
+    """Split a loader batch into micro-batches of (tokens, positions or None, loss mask or None),
+    keeping only what data.reset_positions / data.mask_boundary_loss ask for."""
+    if isinstance(batch, torch.Tensor):
+        return [(m, None, None) for m in batch.to(device).split(size)]
+    tokens = batch.tokens.to(device).split(size)
+    positions = batch.positions.to(device).split(size) if cfg.data.reset_positions else [None] * len(tokens)
+    masks = batch.loss_mask.to(device).split(size) if cfg.data.mask_boundary_loss else [None] * len(tokens)
+    return list(zip(tokens, positions, masks, strict=True))
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros: list[Micro], cfg: Config,
+               info: parallel.DistInfo, timer: StepTimer) -> StepResult:
+    """Forward/backward over `micros` (gradients synced on the last), clip, and step unless non-finite."""
+    timer.start()
+    step_loss = torch.zeros((), device=info.device)
+    for i, (micro, positions, mask) in enumerate(micros):
+        parallel.set_gradient_sync(model, i == len(micros) - 1)
+        with parallel.autocast(cfg.dist, info):
+            loss = model(micro[:, :-1], positions, targets=micro[:, 1:], mask=mask) / len(micros)
+        loss.backward()
+        step_loss += loss.detach()
+    timer.mark()  # forward + backward done
+    # foreach=True: FSDP2's DTensor gradients would otherwise be clipped one parameter at a time
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"), foreach=True)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    finite = math.isfinite(grad_norm)  # the norm is global: every rank takes the same branch
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    timer.mark()  # optimizer done
+    return StepResult(step_loss, grad_norm, skipped=not finite)
+
+
+class NonFiniteGuard:
+    """Counts skipped steps; `max_bad` in a row raise NonFiniteError."""
+
+    def __init__(self, max_bad: int) -> None:
+        self.max_bad, self.in_a_row, self.total = max_bad, 0, 0
+
+    def check(self, step: int, result: StepResult) -> None:
+        if not result.skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        log.info("step %d: non-finite loss/gradient (norm %s); step skipped (%d/%d in a row)",
+                 step, result.grad_norm, self.in_a_row, self.max_bad)
+        if self.in_a_row >= self.max_bad:
+            raise NonFiniteError(f"{self.in_a_row} steps in a row had a non-finite loss or gradient "
+                                 f"(last at step {step}); lower train.lr or check the data")

@@ -1,0 +1,153 @@
+"""Where bytes live, for the data pipeline and the checkpoints alike: fsspec file systems for local
+paths and URLs (`s3://`, `memory://`, ...), the one test of "is this storage local", whole-file
+writes (atomic, and durable where asked), checksums, and the one classification of "the storage could
+not be reached" errors, so that every caller reports an unreachable endpoint as one line naming the URL.
+Torch-free."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+import xxhash
+
+LOCAL_CHUNK = 8 << 20
+# Object stores: bytes per GET when verifying or loading a file. Each request costs a round trip (and
+# on moto's server a read of the whole object), so a checkpoint shard file of up to this size is one GET;
+# the price is that much memory per rank while it is read.
+REMOTE_CHUNK = 128 << 20
+CHECKSUM = "xxh3_128"  # the algorithm new checkpoints record, as the key of each file's entry
+CHECKSUMS = (CHECKSUM, "sha256")  # what verification understands
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec file system of a local path or URL, and the path within it."""
+    return fsspec.core.url_to_fs(url)
+
+
+def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def is_local(where: str | fsspec.AbstractFileSystem) -> bool:
+    """Whether a path/URL (or an fsspec file system) is the local disk: a plain path or `file://`."""
+    if isinstance(where, str):
+        return "://" not in where or where.startswith("file://")
+    return "file" in protocols(where)
+
+
+def local_path(url: str) -> str:
+    """The plain path of a local path or `file://` URL."""
+    return url.removeprefix("file://")
+
+
+def join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name
+
+
+# Packages whose exceptions mean "the object store could not be used" (connection refused or timed
+# out, bad credentials, a throttled or broken endpoint); a missing file is FileNotFoundError instead.
+STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure")
+
+
+def store_unreachable(e: BaseException) -> bool:
+    """Whether `e` says the storage at a URL could not be reached or used (as opposed to a missing file
+    or a bug), so that callers can report the URL in one clear line."""
+    if isinstance(e, FileNotFoundError):
+        return False
+    client = type(e).__module__.split(".")[0] in STORE_CLIENTS
+    return client or isinstance(e, (ConnectionError, TimeoutError, PermissionError))
+
+
+@contextlib.contextmanager
+def unreachable_as(error: type[Exception], what: str) -> Iterator[None]:
+    """Inside: an exception that says the storage could not be used (`store_unreachable`) is raised
+    again as `error("<what>: <type>: <message>")`; any other exception passes unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if not store_unreachable(e):
+            raise
+        raise error(f"{what}: {type(e).__name__}: {e}") from e
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of local directory `path` (files created, renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes, durable: bool = False) -> None:
+    """Write a file whole, so that no reader ever sees it half-written. Local: a temp file renamed over
+    `path`; with `durable`, the file and then its directory are fsynced as well, so that once this
+    returns the file survives a crash of the machine, complete or not at all. Object stores: one PUT,
+    whole (and durable) once acknowledged."""
+    if not is_local(fs):
+        with fs.open(path, "wb") as f:
+            f.write(data)
+        return
+    path = local_path(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_durably(url: str, data: bytes) -> None:
+    """`write_file(..., durable=True)` at a path or URL."""
+    fs, path = filesystem(url)
+    write_file(fs, path, data, durable=True)
+
+
+def new_digest(algorithm: str = CHECKSUM) -> Any:
+    if algorithm == "xxh3_128":
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+
+
+def checksum_bytes(data: bytes, algorithm: str = CHECKSUM) -> str:
+    digest = new_digest(algorithm)
+    digest.update(data)
+    return digest.hexdigest()
+
+
+class SpoolError(OSError):
+    """The local copy of a remote file could not be written (disk full, no temp directory)."""
+
+
+def checksum_file(fs: fsspec.AbstractFileSystem, path: str, algorithm: str = CHECKSUM,
+                  copy_to: str | None = None) -> str:
+    """Object stores: one request per `REMOTE_CHUNK` bytes, no read-ahead copy: every request costs a
+    round trip, so a file verifies faster in fewer, larger GETs (docs/performance.md, "Data loading
+    and checkpoint I/O").
+    With `copy_to`, the bytes read are also written to that local file; a failure to write it raises
+    SpoolError (remote errors pass as they are)."""
+    digest = new_digest(algorithm)
+    size = LOCAL_CHUNK if is_local(fs) else REMOTE_CHUNK
+    try:
+        dst = open(copy_to, "wb") if copy_to else contextlib.nullcontext()  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise SpoolError(f"cannot write {copy_to}: {e}") from e
+    with dst, fs.open(path, "rb", block_size=size, cache_type="none") as f:
+        while chunk := f.read(size):
+            digest.update(chunk)
+            if copy_to:
+                try:
+                    dst.write(chunk)
+                except OSError as e:
+                    raise SpoolError(f"cannot write {copy_to}: {e}") from e
+    return digest.hexdigest()

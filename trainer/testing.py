@@ -1,0 +1,85 @@
+"""Test and benchmark support shipped with the package: a real S3 endpoint (moto's server) on
+127.0.0.1, reached over HTTP through s3fs exactly as a user's bucket would be (endpoint and
+credentials from the standard AWS environment variables, which child processes inherit). moto is
+imported lazily since it is a dev dependency (`pip install -e '.[dev]'`).
+
+    with LoopbackS3() as s3:        # AWS_* point at the server inside, and are restored after
+        fs = s3fs.S3FileSystem()    # s3.endpoint is http://127.0.0.1:<port>
+
+Used by the tests' `s3_endpoint` / `s3_bucket` fixtures (tests/conftest.py) and by the benchmarks
+(scripts/bench_ckpt.py, scripts/bench_data.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+
+AWS_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackS3:
+    """moto's S3 server on 127.0.0.1 (a free port) with dummy credentials. `start()` (or entering the
+    context) starts it and points this process's AWS_* variables at it; `stop()` (or leaving the
+    context) stops it and restores the variables as they were."""
+
+    def __init__(self, credentials: str = "testing") -> None:
+        self.credentials = credentials
+        self.endpoint: str | None = None
+        self._server = None
+        self._saved: dict[str, str | None] = {}
+
+    def start(self) -> LoopbackS3:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+        port = free_port()
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self._server.start()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self._saved = {k: os.environ.get(k) for k in AWS_VARIABLES}
+        os.environ.update(AWS_ENDPOINT_URL=self.endpoint, AWS_ACCESS_KEY_ID=self.credentials,
+                          AWS_SECRET_ACCESS_KEY=self.credentials, AWS_DEFAULT_REGION=REGION)
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        try:
+            self._server.stop()
+        finally:
+            self._server = None
+            for k, v in self._saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def __enter__(self) -> LoopbackS3:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_s3(credentials: str = "testing") -> LoopbackS3:
+    """Start a LoopbackS3 (stop it with `.stop()`); the AWS_* variables point at it until then."""
+    return LoopbackS3(credentials).start()
+
+
+def unreachable_env(base: Mapping[str, str] | None = None, secret: str = "s3cr3t-never-printed") -> dict[str, str]:
+    """`base` (default: this process's environment) with an S3 endpoint nobody listens on (a closed
+    loopback port), dummy credentials whose secret key is `secret`, and no retries, so that an S3
+    client in a child process started with it fails at once."""
+    return {**(os.environ if base is None else base), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+            "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": secret, "AWS_MAX_ATTEMPTS": "1",
+            "AWS_DEFAULT_REGION": REGION}
