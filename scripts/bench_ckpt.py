@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from trainer import logs
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.model import ModelArgs, Transformer
 from trainer.parallel import DistInfo
@@ -136,6 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.layers, args.repeats = 2, 1
+    logs.setup()  # the checkpointer's own lines (retention), as the trainer says them
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer import logs
 from trainer.protocol import read_events, read_heartbeats, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,6 +220,7 @@ def same_as_reference(args: argparse.Namespace, reference: Path, run_dir: Path) 
 
 def main() -> int:
     args = parse_args()
+    logs.setup()  # the checkpoint loads' warnings, as the trainer says them
     rng = random.Random(args.seed)
     out = Path(args.out)
     if out.exists():

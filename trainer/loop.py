@@ -41,7 +41,8 @@ log = logs.get_logger()
 
 @dataclass
 class Run:
-    """Everything one training process holds, built once by `build`."""
+    """Everything one training process holds: `build` makes the components, `resume` the start state
+    and the per-step ones (which need the start step)."""
 
     cfg: Config
     info: parallel.DistInfo
@@ -94,11 +95,13 @@ def train(cfg: Config) -> dict:
             after_step(run, result, step_start, data_wait)
         return finish(run)
     finally:
-        if run is not None:
-            release(run, clean=False)  # a no-op after finish() or an emergency checkpoint
-        preemption.close()
-        heartbeat.close()
-        parallel.shutdown()
+        try:
+            if run is not None:
+                release(run, clean=False)  # a no-op after finish() or an emergency checkpoint
+        finally:
+            preemption.close()
+            heartbeat.close()
+            parallel.shutdown()
 
 
 # ---------------------------------------------------------------------- build
@@ -184,10 +187,10 @@ def resume(run: Run) -> None:
                              cfg.log.tensorboard, t.log_every, t.eval_every)
     run.comm = parallel.CommTimer() if parallel.CommTimer.enabled_for(info) else None
     run.timer = StepTimer(info.device, run.comm)
-    run.window = LogWindow(run.timer, lambda values: parallel.all_reduce_mean(values, info))
     run.profiler = StepProfiler(cfg.profile.steps, cfg.run.dir, info.rank, info.device)
     run.profiler.maybe_start(run.state.step + 1)
     run.guard = NonFiniteGuard(t.max_bad_steps)
+    run.window = LogWindow(run.timer, lambda values: parallel.all_reduce_mean(values, info))
     run.start_step, run.started = run.state.step, time.perf_counter()
     run.model.train()
 
@@ -243,7 +246,7 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
 
 def log_record(run: Run, step: int, result: StepResult, evaluated: bool) -> None:
     """One metrics.jsonl record for the steps since the previous one (collective: means over ranks)."""
-    parts = run.window.close()
+    parts = run.window.means()
     tokens_per_s = run.tokens_per_step / parts["step_time_s"]
     record = {
         "step": step, "lr": lr_at(step, run.cfg), "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
@@ -254,6 +257,7 @@ def log_record(run: Run, step: int, result: StepResult, evaluated: bool) -> None
     if evaluated:
         record["eval_loss"] = run.eval_loss
     run.metrics.log(record)
+    run.window.restart()
 
 
 def emergency_checkpoint(run: Run, saved: bool) -> None:
@@ -313,9 +317,12 @@ def release(run: Run, clean: bool = True) -> None:
     if run.closed:
         return
     run.closed = True
-    run.loader.close()
-    run.checkpointer.close(wait=clean)
-    if run.metrics is not None:
-        run.metrics.close()
-    if run.comm is not None:
-        run.comm.close()
+    closers = [run.loader.close, lambda: run.checkpointer.close(wait=clean), run.metrics and run.metrics.close,
+               run.comm and run.comm.close]
+    for close in filter(None, closers):
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - after an error, say so and keep closing: the error is what matters
+            if clean:
+                raise
+            log.warning("while stopping after an error: %s: %s", type(e).__name__, e)

@@ -1,5 +1,5 @@
-"""Step metrics: tokens/s, MFU, memory, where the step time goes (StepTimer); `metrics.jsonl` and
-TensorBoard scalars in the run directory; the progress display and the end-of-run summary on rank 0."""
+"""Step metrics: tokens/s, MFU, memory, where the step time goes (StepTimer, LogWindow); `metrics.jsonl`
+and TensorBoard scalars in the run directory; the progress display on rank 0."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class StepTimer:
     """Where the steps of a logging window spend their time, in seconds per step:
     `fwd_bwd_s` (forward + backward of all micro-batches), `optim_s` (clip + optimizer step + zero_grad)
     and, where a CommTimer measures it, `comm_wait_s` (blocking collectives, taken out of the two
-    phases they happened in, so the parts do not overlap). The loop measures data wait itself.
+    phases they happened in, so the parts do not overlap). Data wait is measured by the loop (LogWindow).
 
     CPU: the wall clock at phase boundaries. CUDA: events recorded at the boundaries (no
     synchronization); they are read in `window()` at a log step, after the loop has synchronized
@@ -152,7 +152,7 @@ def with_other(parts: dict[str, float]) -> dict[str, float]:
 
 class LogWindow:
     """The steps one metrics.jsonl record summarizes (those since the previous record): loss, data
-    wait and wall time, with the StepTimer's phases. `close()` is collective (means over ranks)."""
+    wait and wall time, with the StepTimer's phases. `means()` is collective (means over ranks)."""
 
     def __init__(self, timer: StepTimer, world_mean: Callable[[list[float]], list[float]]) -> None:
         self.timer, self.world_mean = timer, world_mean
@@ -167,17 +167,20 @@ class LogWindow:
         self.data_wait += data_wait
         self.steps += 1
 
-    def close(self) -> dict[str, float]:
+    def means(self) -> dict[str, float]:
         """{loss, step_time_s, data_wait_s, fwd_bwd_s, optim_s[, comm_wait_s], other_s} per step, averaged
-        over ranks (step_time_s is this rank's), then a new window starts."""
+        over ranks (step_time_s is this rank's). The window goes on until `restart()`, so that writing
+        the record is not counted in the next one."""
         elapsed = time.perf_counter() - self.started
         parts = self.timer.window()  # per-step seconds of this rank
         self.data_wait_total += self.data_wait
         loss, wait, *means = self.world_mean([self.loss_sum / self.steps, self.data_wait, *parts.values()])
         out = {"loss": loss, "step_time_s": elapsed / self.steps, "data_wait_s": wait / self.steps,
                **dict(zip(parts, means, strict=True))}
-        self._reset()
         return with_other(out)
+
+    def restart(self) -> None:
+        self._reset()
 
 # metrics.jsonl key -> TensorBoard tag
 TB_TAGS = {

@@ -131,9 +131,9 @@ class SpoolError(OSError):
 
 def checksum_file(fs: fsspec.AbstractFileSystem, path: str, algorithm: str = CHECKSUM,
                   copy_to: str | None = None) -> str:
-    """Object stores: one request per `REMOTE_CHUNK` bytes, no read-ahead copy: every request costs a
-    round trip, so a file verifies faster in fewer, larger GETs (docs/performance.md, "Data loading
-    and checkpoint I/O").
+    """The checksum of file `path` in `fs`, read in large chunks. Object stores: one request per
+    `REMOTE_CHUNK` bytes, no read-ahead copy: every request costs a round trip, so a file verifies
+    faster in fewer, larger GETs (docs/performance.md, "Data loading and checkpoint I/O").
     With `copy_to`, the bytes read are also written to that local file; a failure to write it raises
     SpoolError (remote errors pass as they are)."""
     digest = new_digest(algorithm)

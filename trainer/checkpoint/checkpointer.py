@@ -10,6 +10,8 @@ import base64
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +22,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import fault, storage
-from trainer.checkpoint import commit, format
+from trainer.checkpoint import commit
+from trainer.checkpoint import format as shard_format
 from trainer.checkpoint.commit import COMMIT, TrainState, step_dir
 from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError
 from trainer.checkpoint.spool import Spool
@@ -52,7 +55,7 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
 class _PendingSave:
     state: TrainState
     path: str
-    future: Any  # concurrent.futures.Future: this rank's {file: {size, checksum}} once its shards are written
+    future: Future  # this rank's {file: {size, checksum}} once its shards are written
 
 
 class _Collectives:
@@ -81,10 +84,11 @@ class _Collectives:
 
 
 class Checkpointer:
-    """Saves and restores model + optimizer + train state; one instance per rank, every method collective."""
+    """Saves and restores model + optimizer + train state; one instance per rank. Collective (every
+    rank calls them, in the same order): save, poll, wait, list_committed, discover_latest, load."""
 
     def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False,
-                 on_commit: Any = None, every: int = 0) -> None:
+                 on_commit: Callable[[int], None] | None = None, every: int = 0) -> None:
         self.root, self.info, self.keep, self.keep_every, self.every = root, info, keep, keep_every, every
         self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
         self._all = _Collectives(info.world)
@@ -109,6 +113,8 @@ class Checkpointer:
         the state has started; `optimizer.step()` waits for the copy to finish."""
         start = time.perf_counter()
         self.wait()  # at most one save in flight
+        if self._stager is not None:
+            self._stager.waited_s = 0.0  # what an earlier save's copy held up is not this save's
         path = step_dir(self.root, state.step)
         state = TrainState(**{**asdict(state), "rng": self._all.gather(_rng_state()), "tied": tied_parameters(model)})
         if self.info.is_main:
@@ -126,15 +132,15 @@ class Checkpointer:
         try:
             files = self._write(sd, path, injected, None)
         except SAVE_ERRORS as e:  # reported collectively below, then raised on every rank
-            error, files = format.describe_error(e, self.info.rank), {}
+            error, files = shard_format.describe_error(e, self.info.rank), {}
         self._commit(state, path, files, error)
         self._save_s = time.perf_counter() - start
         return path
 
     def _write(self, sd: dict, path: str, injected, group) -> dict[str, dict]:
         """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
-        writer = format.writer(path, injected)
-        with format.quiet_single_process():
+        writer = shard_format.writer(path, injected)
+        with shard_format.quiet_single_process():
             dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
         fs, p = storage.filesystem(path)
         for name, info in writer.digests.items():  # a stat, not a re-read: catches short writes
@@ -156,7 +162,7 @@ class Checkpointer:
             self._finish_pending()
 
     def wait(self) -> None:
-        """Block until a background save (if any) is committed or has failed."""
+        """Block until a background save (if any) is committed or has failed (collective)."""
         if self._pending is not None:
             with contextlib.suppress(*SAVE_ERRORS):
                 self._pending.future.result()
@@ -167,7 +173,7 @@ class Checkpointer:
         try:
             files, error = pending.future.result(), ""
         except SAVE_ERRORS as e:
-            files, error = {}, f"background save failed: {format.describe_error(e, self.info.rank)}"
+            files, error = {}, f"background save failed: {shard_format.describe_error(e, self.info.rank)}"
         self._commit(pending.state, pending.path, files, error)
 
     def _commit(self, state: TrainState, path: str, files: dict, error: str) -> None:
@@ -252,11 +258,11 @@ class Checkpointer:
         """Load model and optimizer (resharded to this world size) and the train state of `step`."""
         path = step_dir(self.root, step)
         fs, p = storage.filesystem(path)
-        format.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads anything
+        shard_format.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads anything
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
         try:
-            format.load_state(sd, path, self.info.world == 1, self._spool.files(step))
+            shard_format.load_state(sd, path, self.info.world == 1, self._spool.files(step))
         finally:
             self._spool.drop()
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
