@@ -36,6 +36,11 @@ class ShardError(RuntimeError):
     """A missing, truncated or corrupt shard or manifest."""
 
 
+class NotADatasetError(ShardError):
+    """The path holds no prepared dataset: it does not exist, or it has no readable manifest. Bad input:
+    no restart can fix it."""
+
+
 @dataclass
 class ShardInfo:
     name: str
@@ -62,15 +67,15 @@ class Manifest:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
     @staticmethod
-    def from_json(text: str, where: str) -> Manifest:
+    def from_json(text: str | bytes, where: str) -> Manifest:
         try:
-            raw = json.loads(text)
+            raw = json.loads(text)  # bytes that are not UTF-8 raise UnicodeDecodeError, a ValueError
             shards = [ShardInfo(**s) for s in raw.pop("shards")]
             manifest = Manifest(shards=shards, **raw)
-        except (ValueError, TypeError, KeyError) as e:
-            raise ShardError(f"{where}: not a valid manifest ({e})") from e
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise NotADatasetError(f"{where}: not a valid manifest ({type(e).__name__}: {e})") from None
         if manifest.version != FORMAT_VERSION:
-            raise ShardError(f"{where}: manifest format version {manifest.version}, expected {FORMAT_VERSION}")
+            raise NotADatasetError(f"{where}: manifest format version {manifest.version}, expected {FORMAT_VERSION}")
         return manifest
 
 
@@ -161,13 +166,15 @@ class ShardSet:
         self.cache_shards = cache_shards
         self.fs, self.path = fsspec.core.url_to_fs(root)
         manifest_path = join(self.path, MANIFEST)
-        try:
-            with unreachable_as(ShardError, f"cannot read {root}"):
-                text = self.fs.cat_file(manifest_path).decode()
-        except FileNotFoundError as e:
-            why = f" ({e.args[-1]})" if e.args and "bucket" in str(e.args[-1]).lower() else ""
-            raise ShardError(f"no {MANIFEST} in {root}{why}: not a prepared dataset (run `python -m data.prepare`)"
-                             ) from e
+        with unreachable_as(ShardError, f"cannot read {root}"):
+            try:
+                text = self.fs.cat_file(manifest_path)
+            except FileNotFoundError as e:
+                why = f" ({e.args[-1]})" if e.args and "bucket" in str(e.args[-1]).lower() else ""
+                if not why and not self.fs.exists(self.path):
+                    raise NotADatasetError(f"the data path {root} does not exist") from None
+                raise NotADatasetError(f"no {MANIFEST} in {root}{why}: not a prepared dataset (run `python -m "
+                                       "data.prepare`)") from e
         self.manifest = Manifest.from_json(text, join(root, MANIFEST))
         self._setup(verified=set())
 

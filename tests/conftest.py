@@ -24,10 +24,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def rekindle_logging() -> None:
     """The trainer's log lines (`[rekindle] ...`) on the current stdout, as a process of the trainer
-    sets them up, so that in-process tests see them (capsys)."""
+    sets them up, so that in-process tests see them (capsys); set up again for every test, since a
+    test may have pointed them elsewhere (the exporter's main() says them on stderr)."""
     from trainer import logs
 
     logs.setup()

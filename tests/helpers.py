@@ -116,7 +116,7 @@ def smoke_model() -> tuple[Transformer, torch.optim.AdamW]:
     from trainer.optim import build_optimizer
 
     cfg = load(SMOKE)
-    model = Transformer(ModelArgs(**{k: getattr(cfg.model, k) for k in ModelArgs.__dataclass_fields__}))
+    model = Transformer(cfg.model)
     return model, build_optimizer(model, cfg, torch.device("cpu"))
 
 

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         return protocol.EXIT_USAGE
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-    from data.shards import ShardError
+    from data.shards import NotADatasetError, ShardError
     from data.stream import DataStateError
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint import CheckpointError, IncompatibleCheckpointError
     from trainer.fault import Preempted
     from trainer.loop import train
     from trainer.step import NonFiniteError
@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ShardError, DataStateError, CheckpointError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         ErrorHandler().record_exception(e)  # the launcher's ledger names the cause (no-op without torchrun)
-        return protocol.EXIT_USAGE if isinstance(e, ConfigError) else protocol.EXIT_FAILED
+        # Input that no restart can fix exits EXIT_USAGE, which the launcher does not restart.
+        bad_input = (ConfigError, DataStateError, NotADatasetError, IncompatibleCheckpointError)
+        return protocol.EXIT_USAGE if isinstance(e, bad_input) else protocol.EXIT_FAILED
     return protocol.EXIT_OK
 
 

@@ -81,6 +81,8 @@ class CheckpointConfig:
     async_: bool = setting(False, "write checkpoints in the background while training goes on")
     resume: str = setting("auto", "auto: from the newest commit if any | never | required: fail without one",
                           choices=("auto", "never", "required"))
+    max_failed_saves: int = setting(3, "periodic saves in a row that may fail (disk full, storage refusing) while "
+                                    "training goes on; the final and emergency saves must succeed", ge=0)
 
 
 @dataclass

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainer import logs, storage
 from trainer.checkpoint import COMMIT, STEP_DIR, CheckpointError, committed_steps, read_train_state, step_dir, verify
-from trainer.checkpoint.format import load_metadata, load_state
+from trainer.checkpoint.format import CheckpointNotFoundError, load_metadata, load_state
+from trainer.protocol import EXIT_FAILED, EXIT_USAGE
 
 log = logs.get_logger("export")
 
@@ -39,7 +40,7 @@ def resolve(checkpoint: str) -> str:
     fs, p = storage.filesystem(checkpoint)
     checkpoint = checkpoint.rstrip("/")
     if not fs.exists(p):
-        raise CheckpointError(f"no checkpoint at {checkpoint}: it does not exist")
+        raise CheckpointNotFoundError(f"no checkpoint at {checkpoint}: it does not exist")
     if STEP_DIR.match(p.rstrip("/").rsplit("/", 1)[-1]) or fs.exists(f"{p}/{COMMIT}"):
         if not fs.exists(f"{p}/{COMMIT}"):
             raise CheckpointError(f"{checkpoint} is not committed (no {COMMIT}): a save that did not finish")
@@ -47,7 +48,10 @@ def resolve(checkpoint: str) -> str:
         if problem:
             raise CheckpointError(f"{checkpoint} is unusable: {problem}")
         return checkpoint
-    for step in reversed(committed_steps(checkpoint)):  # a save that did not finish is never a candidate
+    steps = committed_steps(checkpoint)  # a save that did not finish is never a candidate
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {checkpoint}")
+    for step in reversed(steps):
         path = step_dir(checkpoint, step)
         problem = verify(path)
         if not problem:
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         info = export(argv[0], argv[1])
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE if isinstance(e, CheckpointNotFoundError) else EXIT_FAILED
     tied = "".join(f"; {name} tied to {first} (stored once)" for name, first in info["tied"].items())
     print(f"exported step {info['step']} of {info['source']} -> {info['out']}: {info['tensors']} tensors, "
           f"{info['params']:,} parameters ({'/'.join(info['dtypes'])}), {info['bytes'] / 1e6:.1f} MB{tied}")

@@ -6,7 +6,7 @@ when it acts (the evaluator, the metrics log, the checkpointer); teardown happen
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,7 +16,14 @@ from data.loader import BatchLoader
 from data.shards import ShardSet
 from data.stream import TokenStream
 from trainer import fault, host, logs, parallel, protocol
-from trainer.checkpoint import Checkpointer, CheckpointError, TrainState, step_dir
+from trainer.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    IncompatibleCheckpointError,
+    TrainState,
+    read_train_state,
+    step_dir,
+)
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.cost import cost_report, format_cost
@@ -153,11 +160,13 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
              f"{peak / 1e9:,.0f}", peak_source)
 
     ck = cfg.checkpoint
-    on_commit = (lambda step: protocol.append_event(run_dir, "commit", step=step)) if info.is_main else None
+    on_event = (lambda name, **fields: protocol.append_event(run_dir, name, **fields)) if info.is_main else None
+    on_commit = (lambda step: on_event("commit", step=step)) if on_event else None
     checkpointer = Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit,
-                                every=ck.every)
+                                every=ck.every, max_failed_saves=ck.max_failed_saves, on_event=on_event)
+    state = TrainState(world=info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model))
     return Run(cfg, info, heartbeat, preemption, shards, loader, evaluator, model, optimizer, checkpointer,
-               micro_batch, flops_per_token, peak, TrainState(world=info.world, config_sha256=cfg.sha256()))
+               micro_batch, flops_per_token, peak, state)
 
 
 # ---------------------------------------------------------------------- resume
@@ -174,6 +183,7 @@ def resume(run: Run) -> None:
     if latest is None and mode == "required":
         raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
     if latest is not None:
+        check_same_model(run, latest)
         run.state = run.checkpointer.load(latest, run.model, run.optimizer)
         run.loader.load_state_dict(run.state.data or {})
         log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, step_dir(root, latest),
@@ -193,6 +203,25 @@ def resume(run: Run) -> None:
     run.window = LogWindow(run.timer, lambda values: parallel.all_reduce_mean(values, info))
     run.start_step, run.started = run.state.step, time.perf_counter()
     run.model.train()
+
+
+# Model arguments a resume may change: they only shape the weights before the first step.
+RESUME_MAY_CHANGE = ("init_std",)
+
+
+def check_same_model(run: Run, step: int) -> None:
+    """Refuse to resume a model with other arguments than the checkpoint's (a changed `rope_theta`
+    loads without complaint and trains another model), naming them. Checkpoints that predate the
+    record are checked by tensor shapes only (in Checkpointer.load)."""
+    path = step_dir(run.cfg.checkpoint_dir, step)
+    saved, ours = read_train_state(path).model, asdict(run.cfg.model)
+    changed = [k for k in ours if k in saved and saved[k] != ours[k] and k not in RESUME_MAY_CHANGE]
+    if changed:
+        was = ", ".join(f"model.{k}={saved[k]!r}" for k in changed)
+        now = ", ".join(f"model.{k}={ours[k]!r}" for k in changed)
+        raise IncompatibleCheckpointError(
+            f"{path} was trained with {was}; this run has {now}: resume with the model settings it was trained "
+            "with, or set another checkpoint.dir (or run.dir) to start a new run")
 
 
 # ---------------------------------------------------------------------- the step and what follows it
@@ -234,8 +263,10 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
     if saved:
         run.heartbeat.beat("save")
         state.data = run.loader.state_dict()
-        path = run.checkpointer.save(state, run.model, run.optimizer, blocking=final or not cfg.checkpoint.async_)
-        log.info("checkpoint step %d -> %s (%.2fs blocking)", step, path, run.checkpointer.last_blocking_s)
+        path = run.checkpointer.save(state, run.model, run.optimizer, blocking=final or not cfg.checkpoint.async_,
+                                     required=final)
+        if path is not None:  # else: a periodic save failed, and said so
+            log.info("checkpoint step %d -> %s (%.2fs blocking)", step, path, run.checkpointer.last_blocking_s)
     if not final and run.preemption.requested(info.world, info.device):
         emergency_checkpoint(run, saved)
     run.heartbeat.beat("train")
@@ -265,9 +296,9 @@ def emergency_checkpoint(run: Run, saved: bool) -> None:
     run.heartbeat.beat("preempt")
     if saved:
         run.checkpointer.wait()  # an async save of this very step: let it commit
-    else:
+    if not saved or run.checkpointer.failed_in_a_row:  # not saved, or that save failed: this one must not
         run.state.data = run.loader.state_dict()
-        run.checkpointer.save(run.state, run.model, run.optimizer, blocking=True)
+        run.checkpointer.save(run.state, run.model, run.optimizer, blocking=True, required=True)
     release(run)
     log.info("SIGTERM: emergency checkpoint of step %d committed; exiting with code %d", run.state.step,
              protocol.EXIT_PREEMPTED)

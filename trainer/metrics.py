@@ -3,7 +3,6 @@ and TensorBoard scalars in the run directory; the progress display on rank 0."""
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from trainer.protocol import append_jsonl
 
 # Dense bf16 tensor-core peaks (FLOP/s) for GPUs we know; MFU is reported against these. Matched as
 # substrings of the device name in this order, so the PCIe/NVL variants (lower clocks and power) come
@@ -235,8 +236,7 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(self.path, record)
         if self.tb is not None:
             for key, tag in TB_TAGS.items():
                 if isinstance(record.get(key), (int, float)):

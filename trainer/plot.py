@@ -20,7 +20,7 @@ BREAKDOWN_COLORS = {"data_wait_s": ("data wait", "#9467bd"), "fwd_bwd_s": ("forw
                     "other_s": ("other (eval, ckpt, log)", "#7f7f7f")}
 EVENT_STYLE = {"failure": ("#d62728", "x"), "restart": ("#ff7f0e", "o"), "resume": ("#2ca02c", "^"),
                "preempt": ("#9467bd", "v"), "commit": ("#1f77b4", "|"), "start": ("#000000", ">"),
-               "done": ("#000000", "s")}
+               "done": ("#000000", "s"), "checkpoint_failed": ("#e377c2", "x"), "fallback": ("#bcbd22", "<")}
 
 
 def lost_intervals(events: list[dict]) -> list[tuple[float, float]]:

@@ -111,13 +111,20 @@ def read_heartbeats(directory: str | Path) -> dict[int, dict]:
     return beats
 
 
-def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict:
-    """Append one record to run_dir/events.jsonl (O_APPEND: one write per line)."""
-    record = {"event": event, "time": time.time(), **fields}
-    path = Path(run_dir) / EVENTS_FILE
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Append one record to a JSON-lines file in one O_APPEND write. A torn last line (a writer killed
+    mid-line) is ended first, so that it costs only itself and not the record after it."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    with path.open("ab+") as f:
+        torn = f.seek(0, os.SEEK_END) > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(record).encode() + b"\n")
+
+
+def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict:
+    """Append one record to run_dir/events.jsonl."""
+    record = {"event": event, "time": time.time(), **fields}
+    append_jsonl(Path(run_dir) / EVENTS_FILE, record)
     return record
 
 

@@ -95,12 +95,17 @@ def write_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes, durable: b
         return
     path = local_path(path)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # e.g. a full disk: leave nothing behind, and say which file it was
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OSError(e.errno, f"writing {path}: {e.strerror or e}") from e
     if durable:
         fsync_dir(os.path.dirname(path) or ".")
 

@@ -31,6 +31,7 @@ from tests.helpers import (
     trainer_cmd,
 )
 from trainer.checkpoint import COMMIT, Checkpointer, TrainState, step_dir
+from trainer.protocol import read_events
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -114,12 +115,18 @@ def test_resharded_resume_continues_the_same_run(two_rank_reference, cache_dir, 
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], abs=5e-4), step
 
 
-def test_async_write_error_on_one_rank_stops_every_rank(two_rank_reference, tmp_path):
-    """Rank 1's background write of step 8 fails (disk full): both ranks report it and the run exits
-    nonzero right away, without committing step 8 and long before its next save (step 12)."""
-    proc = subprocess.run(
-        trainer_cmd(2, SMOKE, [f"run.dir={tmp_path}", "log.progress=false", *STEPS, "checkpoint.async=true"]),
+def write_error_on_rank_1(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    """Rank 1's background write of step 8 fails (disk full)."""
+    return subprocess.run(
+        trainer_cmd(2, SMOKE, [f"run.dir={tmp_path}", "log.progress=false", *STEPS, "checkpoint.async=true",
+                               *overrides]),
         cwd=REPO, env=child_env(REKINDLE_CRASH_AT="write-error@8:1"), capture_output=True, text=True, timeout=180)
+
+
+def test_async_write_error_on_one_rank_stops_every_rank(two_rank_reference, tmp_path):
+    """With no failed save allowed: both ranks report it and the run exits nonzero right away, without
+    committing step 8 and long before its next save (step 12)."""
+    proc = write_error_on_rank_1(tmp_path, "checkpoint.max_failed_saves=0")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     for rank in (0, 1):
@@ -131,6 +138,22 @@ def test_async_write_error_on_one_rank_stops_every_rank(two_rank_reference, tmp_
     assert (tmp_path / "checkpoints" / "step-00000004" / COMMIT).exists()
     steps = read_metrics(tmp_path)
     assert 8 in steps and max(steps) < 12, sorted(steps)
+
+
+def test_a_failed_periodic_save_is_a_warning_and_training_goes_on(two_rank_reference, tmp_path):
+    """By default (checkpoint.max_failed_saves=3) the same failure is a warning on every rank and a
+    `checkpoint_failed` event; step 8's partial files are deleted; the run ends with its last step
+    committed and the losses of the undisturbed run."""
+    proc = write_error_on_rank_1(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for voice in ("[rekindle] warning: ", "[rekindle] rank 1: warning: "):
+        assert f"{voice}checkpoint step 8 at {tmp_path}/checkpoints/step-00000008 was not committed" in proc.stdout
+    assert not (tmp_path / "checkpoints" / "step-00000008").exists()
+    assert (tmp_path / "checkpoints" / "step-00000012" / COMMIT).exists()
+    failed = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [8] and "No space left on device" in failed[0]["error"]
+    ref, got = read_metrics(two_rank_reference), read_metrics(tmp_path)
+    assert [got[s]["loss"] for s in range(1, 13)] == [ref[s]["loss"] for s in range(1, 13)]
 
 
 def test_s3_run_killed_during_save_resumes_from_s3(two_rank_reference, s3_bucket, tmp_path):

@@ -66,7 +66,7 @@ def test_run_without_evaluation_completes_and_commits_its_last_step(cache_dir, t
     assert (tmp_path / "checkpoints" / "step-00000004" / "COMMIT.json").exists()
     if no_eval.startswith("data."):  # resuming with another held-out share: refused in one clear line
         again = run_trainer(tmp_path, ["train.steps=6", "checkpoint.every=2"], check=False)
-        assert again.returncode == 1 and "Traceback" not in again.stderr
+        assert again.returncode == 2 and "Traceback" not in again.stderr  # bad input: not worth a restart
         assert "error: saved data state has" in again.stderr and "data.val_fraction changed" in again.stderr
 
 
@@ -115,3 +115,15 @@ def test_non_finite_steps_are_skipped_then_abort_with_clear_error(cache_dir, tmp
     metrics = read_metrics(tmp_path)
     assert metrics[1]["skipped_steps"] == 0 and metrics[3]["skipped_steps"] == 2
     assert not (tmp_path / "checkpoints").exists()  # nothing bad was saved
+
+
+def test_resume_with_a_changed_model_is_refused_as_bad_input(cache_dir, tmp_path):
+    """The checkpoint records the model's arguments: a resume that changes one (a RoPE base that would
+    load without complaint, a width that would fail in DCP) stops before loading, names the change and
+    exits 2 (bad input: the launcher does not restart it); the unchanged config still resumes."""
+    run_trainer(tmp_path, ["train.steps=2", "checkpoint.every=2"])
+    for change, was in (("model.rope_theta=500000.0", "model.rope_theta=10000.0"), ("model.dim=32", "model.dim=64")):
+        proc = run_trainer(tmp_path, ["train.steps=4", change], check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"was trained with {was}; this run has {change}" in proc.stderr
+    assert "resumed from step 2" in run_trainer(tmp_path, ["train.steps=4"]).stdout

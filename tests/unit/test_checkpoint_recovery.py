@@ -11,8 +11,17 @@ import torch
 
 from tests.helpers import SOLO, assert_same, corrupt, trained
 from trainer import storage
-from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState, commit, committed_steps
+from trainer.checkpoint import (
+    COMMIT,
+    Checkpointer,
+    CheckpointError,
+    IncompatibleCheckpointError,
+    TrainState,
+    commit,
+    committed_steps,
+)
 from trainer.checkpoint.commit import verifying_rank
+from trainer.model import ModelArgs, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -185,3 +194,38 @@ def test_save_failure_is_loud(tmp_path):
     (tmp_path / "file-not-dir").write_text("in the way")
     with pytest.raises(CheckpointError, match="not committed"):
         ckpt.save(TrainState(step=1), *trained(0))
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensors(tmp_path):
+    """A changed model config (here model.dim) against a checkpoint that does not record the model's
+    arguments (as before they were kept): refused by tensor shapes, naming them, before DCP reads a byte."""
+    ckpt = Checkpointer(str(tmp_path), SOLO)
+    ckpt.save(TrainState(step=1), *trained(0))
+    wider = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=16))
+    with pytest.raises(IncompatibleCheckpointError, match=r"holds another model \(tok_embeddings.weight is "
+                                                          r"\[64, 32\] there, \[64, 64\] here"):
+        ckpt.load(1, wider, torch.optim.AdamW(wider.parameters()))
+
+
+def test_failed_periodic_saves_are_warnings_up_to_a_limit(tmp_path, monkeypatch, capsys):
+    """A save that is not required (a periodic one) fails without ending the run: a warning, a
+    `checkpoint_failed` event, its partial step deleted (a full disk must not stay full); a success
+    resets the count; one failure more than max_failed_saves in a row, or a required save, raises."""
+    events = []
+    ckpt = Checkpointer(str(tmp_path), SOLO, keep=3, max_failed_saves=1,
+                        on_event=lambda name, **fields: events.append((name, fields["step"])))
+    model, opt = trained(0)
+    assert ckpt.save(TrainState(step=1), model, opt, required=False) is not None
+    monkeypatch.setenv("REKINDLE_CRASH_AT", "write-error@2")
+    assert ckpt.save(TrainState(step=2), model, opt, required=False) is None
+    assert "warning: checkpoint step 2" in capsys.readouterr().out and events == [("checkpoint_failed", 2)]
+    assert not (tmp_path / "step-00000002").exists() and committed_steps(ckpt.root) == [1]
+    ckpt.save(TrainState(step=3), model, opt, required=False)  # succeeds: the count starts again
+    assert ckpt.failed_in_a_row == 0 and committed_steps(ckpt.root) == [1, 3]
+    monkeypatch.setenv("REKINDLE_CRASH_AT", "write-error@4")
+    assert ckpt.save(TrainState(step=4), model, opt, required=False) is None  # 1 of 1 allowed
+    with pytest.raises(CheckpointError, match="step 4 .* not committed"):
+        ckpt.save(TrainState(step=4), model, opt, required=False)  # the second in a row
+    with pytest.raises(CheckpointError, match="step 4 .* not committed"):
+        Checkpointer(str(tmp_path), SOLO, max_failed_saves=5).save(TrainState(step=4), model, opt)  # required
+    assert committed_steps(ckpt.root) == [1, 3]

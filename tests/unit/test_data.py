@@ -11,7 +11,7 @@ import pytest
 from data import tokenizer as tokenizers_
 from data.prepare import InputError, expand_inputs, prepare, read_documents
 from data.prepare import main as prepare_main
-from data.shards import ShardError, ShardSet
+from data.shards import NotADatasetError, ShardError, ShardSet
 from data.stream import DataStateError, TokenStream
 from tests.helpers import TEXTS, make_dataset
 
@@ -188,5 +188,13 @@ def test_bad_input_names_file_and_line(tmp_path):
 
 
 def test_not_a_dataset_is_a_clear_error(tmp_path):
-    with pytest.raises(ShardError, match="no manifest.json"):
+    with pytest.raises(NotADatasetError, match="no manifest.json"):
+        ShardSet(str(tmp_path))
+    with pytest.raises(NotADatasetError, match=f"the data path {tmp_path / 'nowhere'} does not exist"):
+        ShardSet(str(tmp_path / "nowhere"))
+    (tmp_path / "manifest.json").write_bytes(b'{"version": 1, "shards": [\xff\xfe]}')  # not UTF-8
+    with pytest.raises(NotADatasetError, match="manifest.json: not a valid manifest \\(UnicodeDecodeError"):
+        ShardSet(str(tmp_path))
+    (tmp_path / "manifest.json").write_text("[1, 2]")  # JSON, but not a manifest
+    with pytest.raises(NotADatasetError, match="not a valid manifest"):
         ShardSet(str(tmp_path))

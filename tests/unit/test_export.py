@@ -23,8 +23,11 @@ def two_steps(tmp_path):
 
 def test_export_refuses_a_bad_checkpoint(two_steps, tmp_path, capsys):
     out = str(tmp_path / "out.safetensors")
-    assert main([str(tmp_path / "nowhere"), out]) == 1
+    assert main([str(tmp_path / "nowhere"), out]) == 2  # bad input
     assert f"no checkpoint at {tmp_path / 'nowhere'}" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), out]) == 2
+    assert f"no committed checkpoint in {tmp_path / 'empty'}" in capsys.readouterr().err
     corrupt(two_steps / "step-00000002" / "__0_0.distcp", "flip")
     assert main([str(two_steps / "step-00000002"), out]) == 1
     assert "step-00000002/__0_0.distcp fails its checksum" in capsys.readouterr().err

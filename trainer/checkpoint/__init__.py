@@ -6,7 +6,7 @@ Layout of one checkpoint:
                                                          tensor chunk stored as its raw bytes (`format`),
                                                          objects torch.save'd
                          train_state.json                step, tokens, data state, RNG per rank, world, config
-                                                         hash, tied parameter names
+                                                         hash, tied parameter names, model arguments
                          COMMIT.json                     written last by rank 0: every file with size + checksum
                                                          (xxh3-128), and a sha256 of COMMIT.json's own content
 Protocol: every rank writes its shards (rank 0 also `.metadata`), hashing them as they are written;
@@ -41,9 +41,16 @@ from trainer.checkpoint.commit import (
     step_dir,
     verify,
 )
-from trainer.checkpoint.format import CheckpointError, UnsafeCheckpointError, load_state
+from trainer.checkpoint.format import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+    UnsafeCheckpointError,
+    load_state,
+)
 
 __all__ = [
-    "COMMIT", "STEP_DIR", "TRAIN_STATE", "CheckpointError", "Checkpointer", "TrainState", "UnsafeCheckpointError",
+    "COMMIT", "STEP_DIR", "TRAIN_STATE", "CheckpointError", "CheckpointNotFoundError", "Checkpointer",
+    "IncompatibleCheckpointError", "TrainState", "UnsafeCheckpointError",
     "committed_steps", "load_state", "read_commit", "read_train_state", "step_dir", "tied_parameters", "verify",
 ]

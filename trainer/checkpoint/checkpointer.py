@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import fault, storage
 from trainer.checkpoint import commit
 from trainer.checkpoint import format as shard_format
-from trainer.checkpoint.commit import COMMIT, TrainState, step_dir
-from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError
+from trainer.checkpoint.commit import TrainState, step_dir
+from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError, IncompatibleCheckpointError
 from trainer.checkpoint.spool import Spool
 from trainer.checkpoint.staging import AsyncStager
 from trainer.parallel import DistInfo
@@ -51,11 +52,26 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
     return tied
 
 
+def _check_shapes(metadata: Any, model_sd: dict, path: str) -> None:
+    """Refuse a checkpoint whose model tensors have other shapes than this model's (a changed model
+    config), naming them, before DCP fails on the first with a size mismatch."""
+    wrong = []
+    for name, tensor in model_sd.items():
+        stored = metadata.state_dict_metadata.get(f"model.{name}")
+        if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != tuple(tensor.shape):
+            wrong.append(f"{name} is {list(stored.size)} there, {list(tensor.shape)} here")
+    if wrong:
+        raise IncompatibleCheckpointError(f"{path} holds another model ({'; '.join(wrong[:3])}"
+                                          f"{f'; and {len(wrong) - 3} more' if len(wrong) > 3 else ''}): resume "
+                                          "with the model settings it was trained with, or set another checkpoint.dir")
+
+
 @dataclass
 class _PendingSave:
     state: TrainState
     path: str
     future: Future  # this rank's {file: {size, checksum}} once its shards are written
+    required: bool  # a failure raises (else: a warning, up to max_failed_saves in a row)
 
 
 class _Collectives:
@@ -88,9 +104,12 @@ class Checkpointer:
     rank calls them, in the same order): save, poll, wait, list_committed, discover_latest, load."""
 
     def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False,
-                 on_commit: Callable[[int], None] | None = None, every: int = 0) -> None:
+                 on_commit: Callable[[int], None] | None = None, every: int = 0, max_failed_saves: int = 0,
+                 on_event: Callable[..., None] | None = None) -> None:
         self.root, self.info, self.keep, self.keep_every, self.every = root, info, keep, keep_every, every
         self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
+        self.on_event = on_event  # called on rank 0 with (event name, **fields): failed saves, fallbacks
+        self.max_failed_saves, self.failed_in_a_row = max_failed_saves, 0
         self._all = _Collectives(info.world)
         self._stager = AsyncStager(info.device, info.world) if async_ else None
         self._pending: _PendingSave | None = None
@@ -108,9 +127,13 @@ class Checkpointer:
         """Every `every` steps (0: never) and at the final step."""
         return bool(self.every and step % self.every == 0) or final
 
-    def save(self, state: TrainState, model: nn.Module, optimizer, blocking: bool = True) -> str:
+    def save(self, state: TrainState, model: nn.Module, optimizer, blocking: bool = True,
+             required: bool = True) -> str | None:
         """Write step `state.step`. Blocking: returns once committed. Async: returns once the copy of
-        the state has started; `optimizer.step()` waits for the copy to finish."""
+        the state has started; `optimizer.step()` waits for the copy to finish. A save that is not
+        `required` may fail `max_failed_saves` times in a row: each failure is a warning on every rank
+        (and a `checkpoint_failed` event), its partial files are deleted, and training goes on. Returns
+        the step's path, or None when a blocking save failed that way."""
         start = time.perf_counter()
         self.wait()  # at most one save in flight
         if self._stager is not None:
@@ -125,7 +148,7 @@ class Checkpointer:
         injected = fault.write_fault(state.step, self.info.rank)
         if self._stager is not None and not blocking:
             future = self._stager.submit(sd, optimizer, lambda copy, group: self._write(copy, path, injected, group))
-            self._pending = _PendingSave(state, path, future)
+            self._pending = _PendingSave(state, path, future, required)
             self._save_s = time.perf_counter() - start
             return path
         error = ""
@@ -133,9 +156,9 @@ class Checkpointer:
             files = self._write(sd, path, injected, None)
         except SAVE_ERRORS as e:  # reported collectively below, then raised on every rank
             error, files = shard_format.describe_error(e, self.info.rank), {}
-        self._commit(state, path, files, error)
+        committed = self._commit(state, path, files, error, required)
         self._save_s = time.perf_counter() - start
-        return path
+        return path if committed else None
 
     def _write(self, sd: dict, path: str, injected, group) -> dict[str, dict]:
         """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
@@ -174,9 +197,9 @@ class Checkpointer:
             files, error = pending.future.result(), ""
         except SAVE_ERRORS as e:
             files, error = {}, f"background save failed: {shard_format.describe_error(e, self.info.rank)}"
-        self._commit(pending.state, pending.path, files, error)
+        self._commit(pending.state, pending.path, files, error, pending.required)
 
-    def _commit(self, state: TrainState, path: str, files: dict, error: str) -> None:
+    def _commit(self, state: TrainState, path: str, files: dict, error: str, required: bool = True) -> bool:
         """Agree that every rank wrote its shards, then rank 0 commits; an error reaches every rank."""
         results = self._all.gather((error, files))
         errors = list(dict.fromkeys(e for e, _ in results if e))  # a DCP error reaches every rank: say it once
@@ -186,14 +209,33 @@ class Checkpointer:
                 commit.write_commit(self.root, path, state, {k: v for _, f in results for k, v in f.items()},
                                     self.info.world)
             except Exception as e:  # noqa: BLE001
-                errors.append(f"rank 0: writing {COMMIT} failed: {type(e).__name__}: {e}")
+                errors.append(f"rank 0: committing failed: {type(e).__name__}: {e}")
             else:
                 self._after_commit(state.step)
         errors = self._all.broadcast(errors)
-        if errors:
-            message = f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors)
+        if not errors:
+            self.failed_in_a_row = 0
+            return True
+        message = f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors)
+        self.failed_in_a_row += 1
+        if required or self.failed_in_a_row > self.max_failed_saves:
             log.error("%s", message)  # on every rank (the others say which rank they are)
             raise CheckpointError(message)
+        log.warning("%s (%d of %d failed saves in a row allowed; training goes on from the previous commit)",
+                    message, self.failed_in_a_row, self.max_failed_saves)
+        if self.info.is_main:
+            self._event("checkpoint_failed", step=state.step, error="; ".join(errors))
+            with contextlib.suppress(Exception):  # the partial step must not keep the disk full
+                commit.clear_uncommitted(path)
+        return False
+
+    def _event(self, name: str, **fields: Any) -> None:
+        """Rank 0: record an event; a failure to record it is a warning, never a failed save."""
+        if self.on_event is not None:
+            try:
+                self.on_event(name, **fields)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not record the %s event: %s: %s", name, type(e).__name__, e)
 
     def _after_commit(self, step: int) -> None:
         """Rank 0, once `step` is committed: prune and record it. Neither may fail the save (nor keep
@@ -242,6 +284,7 @@ class Checkpointer:
             self._unusable.add(step)
             if self.info.is_main:
                 log.warning("step %d is unusable, falling back: %s", step, problems[0])
+                self._event("fallback", step=step, problem=problems[0])
         self._spool.drop()
         if error:
             raise CheckpointError(error)
@@ -258,8 +301,9 @@ class Checkpointer:
         """Load model and optimizer (resharded to this world size) and the train state of `step`."""
         path = step_dir(self.root, step)
         fs, p = storage.filesystem(path)
-        shard_format.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads anything
+        metadata = shard_format.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        _check_shapes(metadata, model_sd, path)
         sd = {"model": model_sd, "optim": optim_sd}
         try:
             shard_format.load_state(sd, path, self.info.world == 1, self._spool.files(step))

@@ -36,6 +36,7 @@ class TrainState:
     config_sha256: str = ""
     rng: list[str] = field(default_factory=list)  # torch CPU RNG state per rank, base64
     tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it shares its tensor with
+    model: dict[str, Any] = field(default_factory=dict)  # the model's arguments (ModelArgs); {} before they were kept
 
 
 def step_dir(root: str, step: int) -> str:

@@ -71,6 +71,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or used."""
 
 
+class IncompatibleCheckpointError(CheckpointError):
+    """A checkpoint of another model (shape or arguments) than this run's. Bad input: no restart can fix it."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No checkpoint where one was named (a tool's argument). Bad input."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint whose metadata or data references code outside the allow-list."""
 
