@@ -8,5 +8,6 @@
     watchdog     hang detection from the ranks' heartbeat records
     policy       restart, back off, or stop (budget, crash loop, bad input)
     ledger       events.jsonl and the end-of-run accounting (goodput, cost)
+    lock         who owns run.dir: one job's launchers at a time
     cluster/     Slurm and Kubernetes recipes
 """

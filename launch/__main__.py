@@ -87,12 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error(f"config: {e}")
         return EXIT_USAGE
 
+    from launch import lock
     from launch.options import LaunchOptions
     from launch.supervisor import Supervisor
 
     opts = LaunchOptions(args.config, args.overrides, nproc, min_nodes, max_nodes, args.max_restarts,
                          args.rdzv_endpoint, args.rdzv_id, conf, args.local_addr)
-    return Supervisor(cfg, opts).run()
+    try:
+        with lock.claim(cfg.run.dir, lock.job_key(args.rdzv_endpoint, args.rdzv_id)):
+            return Supervisor(cfg, opts).run()
+    except lock.RunDirInUse as e:
+        log.error(str(e))
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

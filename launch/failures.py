@@ -120,7 +120,13 @@ def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, d
     if cause.killed:
         return Failure(cause.rank, "signal", step, cause.exit_code, signal_name(cause.exit_code)), ""
     if cause.exit_code == EXIT_PREEMPTED:
-        return Failure(cause.rank, "preemption", step, cause.exit_code), ""
+        # Every rank exits 75 after a SIGTERM to any one of them: name the one that got it, which
+        # says so in its heartbeat (`signalled`), when it is on this node.
+        signalled = sorted(r for r, e in exits.items() if e.exit_code == EXIT_PREEMPTED and beats.get(r, {}).get(
+            "signalled"))
+        rank = signalled[0] if signalled else cause.rank
+        step = beats.get(rank, {}).get("step", last_step) + 1
+        return Failure(rank, "preemption", step, cause.exit_code), ""
     return (Failure(cause.rank, "exit", step, cause.exit_code, message=first_line(cause.error)),
             traceback_tail(cause.error))
 

@@ -49,6 +49,11 @@ class PreemptionFlag:
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
         self._set.set()
 
+    @property
+    def received(self) -> bool:
+        """Whether this rank itself got SIGTERM (the others learn it through `requested`)."""
+        return self._set.is_set()
+
     def requested(self, world: int, device: torch.device) -> bool:
         """Collective when world > 1: true on every rank if any rank got SIGTERM."""
         if world == 1:

@@ -293,7 +293,7 @@ def log_record(run: Run, step: int, result: StepResult, evaluated: bool) -> None
 
 def emergency_checkpoint(run: Run, saved: bool) -> None:
     """SIGTERM reached some rank: commit this step (or let its async save commit), then stop."""
-    run.heartbeat.beat("preempt")
+    run.heartbeat.beat("preempt", signalled=run.preemption.received)  # the launcher names the rank that got it
     if saved:
         run.checkpointer.wait()  # an async save of this very step: let it commit
     if not saved or run.checkpointer.failed_in_a_row:  # not saved, or that save failed: this one must not

@@ -6,6 +6,7 @@ Heartbeat file: one per rank in `$REKINDLE_HEARTBEAT_DIR/rank-<r>.json`, a fixed
 rewritten in place (one `pwrite`, no rename) after every step and at each phase change:
 `{pid, rank, attempt, phase, step, t, t_proc, t_load, t_loaded, t_first, resumed_step, busy_s, steps_run}`.
 `t_*` are unix times: process start, checkpoint load start/end, first step done in this attempt.
+On a preemption the record also says whether this rank itself got SIGTERM (`signalled`).
 
 Ledger: `run.dir/events.jsonl`, one JSON object per line with an `event` field, appended by the
 launcher (start, failure, restart, resume, preempt, done) and by rank 0 (commit).

@@ -113,6 +113,20 @@ def test_sigstopped_rank_is_detected_as_hung_and_the_run_completes(cache_dir, tm
     assert read_metrics(tmp_path)[80]["step"] == 80
 
 
+def test_sigterm_to_one_rank_is_recorded_as_that_ranks_preemption(cache_dir, tmp_path):
+    """Slurm or a person signals rank 1 alone: every rank commits the step and exits 75, the ledger
+    names rank 1 (its heartbeat says it got the signal), and the restarted group loses no step."""
+    proc = launch(tmp_path, ["train.steps=40", "checkpoint.every=100"])
+    victim = wait_for_step(tmp_path, 10, rank=1)
+    os.kill(victim["pid"], signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    events = read_events(tmp_path)
+    failure = next(e for e in events if e["event"] == "failure")
+    assert (failure["cause"], failure["rank"]) == ("preemption", 1), failure
+    assert next(e for e in events if e["event"] == "resume")["lost_steps"] == 0
+
+
 def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_dir, tmp_path):
     overrides = ["train.steps=150", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
     proc = launch(tmp_path, overrides)
@@ -158,6 +172,25 @@ def test_two_launchers_train_one_job_over_loopback_rendezvous(cache_dir, tmp_pat
     assert "world 2 (gloo" in log, log[-3000:]
     assert read_metrics(tmp_path)[20]["step"] == 20
     assert json.loads((tmp_path / "checkpoints" / "step-00000020" / "COMMIT.json").read_text())["world"] == 2
+
+
+def test_a_second_job_on_the_same_run_dir_is_refused(cache_dir, tmp_path):
+    """Two standalone launchers on one run.dir would resume from each other's checkpoints: the second
+    is refused at once (exit 2, naming the first) and writes nothing; once the first is SIGKILLed, its
+    stale lock does not block the next launch."""
+    first = launch(tmp_path, ["train.steps=100000", "checkpoint.every=0"], nproc=1)
+    wait_for_step(tmp_path, 2)
+    events = len(read_events(tmp_path))
+    second = launch(tmp_path, ["train.steps=100000"], nproc=1)
+    out = finish(second, timeout=60)
+    assert second.returncode == 2, out[-3000:]
+    assert f"{tmp_path} is in use by another job: the launcher with pid {first.pid}" in out
+    assert len(read_events(tmp_path)) == events  # the refused launcher wrote no event
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    third = launch(tmp_path, ["train.steps=2", "checkpoint.resume=never", f"checkpoint.dir={tmp_path}/fresh"], nproc=1)
+    out = finish(third)
+    assert third.returncode == 0, out[-3000:]
 
 
 def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir, tmp_path):

@@ -101,6 +101,16 @@ def test_the_failure_names_the_cause_and_the_step_it_was_on():
     assert (failure.cause, failure.step, failure.message, tb) == ("preemption", 6, "", "")
 
 
+def test_a_preemption_names_the_rank_that_got_the_signal():
+    """SIGTERM to rank 1 alone: both ranks commit and exit 75; rank 1's heartbeat says it was signalled."""
+    exits = {r: RankExit(r, r, EXIT_PREEMPTED, 3.0 + r) for r in (0, 1)}
+    beats = {0: {"step": 5}, 1: {"step": 5, "signalled": True}}
+    failure, _ = failures.from_exits(exits, set(), beats, 0)
+    assert (failure.rank, failure.cause, failure.step) == (1, "preemption", 6)
+    beats[1]["signalled"] = False  # nobody on this node got it (the signal went to another node's rank)
+    assert failures.from_exits(exits, set(), beats, 0)[0].rank == 0
+
+
 def test_the_same_hang_with_another_pid_is_the_same_failure_for_the_policy():
     hangs = [failures.from_hang(Hang(rank=1, pid=pid, step=12, stale_s=stale, state="stopped"))
              for pid, stale in ((101, 60.1), (202, 60.4), (303, 61.0))]

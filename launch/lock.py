@@ -1,0 +1,75 @@
+"""Who owns a run directory: each launcher holds an exclusive `flock` on a file of its own in
+`run.dir/.launchers/`, which records the job it belongs to. A launcher refuses to start where a live
+launcher of another job holds one (two jobs on one run.dir would resume from each other's checkpoints
+and interleave their ledgers); the launchers of one job (the nodes of a multi-node run sharing a
+run.dir, same rendezvous endpoint and id) may share it. The kernel drops a lock when its process
+dies, so a launcher killed with SIGKILL leaves a file that the next one removes."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+LOCKS = ".launchers"
+
+
+class RunDirInUse(RuntimeError):
+    """A live launcher of another job holds the run directory."""
+
+
+def job_key(rdzv_endpoint: str, rdzv_id: str) -> str:
+    """The same for the nodes of one job; unique for a standalone launcher (no endpoint)."""
+    if not rdzv_endpoint:
+        return f"standalone:{socket.gethostname()}:{os.getpid()}"
+    return f"{rdzv_endpoint}|{rdzv_id}"
+
+
+def _holder(path: Path) -> dict | None:
+    """The record of the live launcher holding `path`; None (and the file removed) if nobody holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with contextlib.suppress(ValueError, OSError):
+                return json.loads(Path(path).read_text() or "{}")
+            return {}
+        path.unlink(missing_ok=True)  # its launcher is gone
+        return None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def claim(run_dir: str | Path, key: str) -> Iterator[Path]:
+    """Hold this launcher's lock in `run_dir` while the block runs. Raises RunDirInUse, naming the
+    holder, when a live launcher of another job holds one."""
+    directory = Path(run_dir) / LOCKS
+    directory.mkdir(parents=True, exist_ok=True)
+    for other in sorted(directory.glob("*.lock")):
+        holder = _holder(other)
+        if holder is not None and holder.get("job") != key:
+            raise RunDirInUse(
+                f"{run_dir} is in use by another job: the launcher with pid {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')}, running since {time.ctime(holder.get('since', 0))}; stop it, or "
+                "give this run another run.dir")
+    path = directory / f"{socket.gethostname()}-{os.getpid()}.lock"
+    fd = os.open(f"{path}.new", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        record = {"job": key, "pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.write(fd, json.dumps(record).encode())
+        os.replace(f"{path}.new", path)  # visible only once locked and written
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
