@@ -30,7 +30,7 @@ class Attempt:
     steps_run: int = 0
     first_step_at: float = 0.0
     interrupted_at: float | None = None  # when the previous group was stopped (failure noticed, or a restart)
-    reason: str = ""  # why: "failure" or "membership change" ("" for the first attempt)
+    reason: str = ""  # why: "failure", "membership change" or "launcher lost" ("" for a first attempt)
 
 
 @dataclass
@@ -41,6 +41,7 @@ class Ledger:
     attempts: list[Attempt] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
     resumes: list[dict] = field(default_factory=list)
+    previous_last_step: int | None = None  # the step a launcher lost before this one had reached
 
     def event(self, name: str, **fields: Any) -> dict:
         return append_event(self.run_dir, name, node=self.node, **fields)
@@ -60,10 +61,11 @@ class Ledger:
         if a.first_step_at or not beat.get("t_first"):
             return None
         a.first_step_at = beat["t_first"]
-        if len(self.attempts) == 1 or a.interrupted_at is None:
+        previous = self.attempts[-2].last_step if len(self.attempts) > 1 else self.previous_last_step
+        if previous is None or a.interrupted_at is None:
             return None
         since = a.interrupted_at  # this attempt's own cause, not an older failure
-        lost = max(self.attempts[-2].last_step - a.resumed_step, 0)
+        lost = max(previous - a.resumed_step, 0)
         resume = {
             "step": a.resumed_step, "lost_steps": lost, "reason": a.reason,
             "recovery_s": round(beat["t_first"] - since, 3), "restart_s": round(beat["t_load"] - since, 3),

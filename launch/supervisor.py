@@ -29,7 +29,7 @@ from launch.failures import Failure
 from launch.ledger import Ledger, format_summary
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
-from launch.watchdog import Watchdog
+from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
 from trainer.config import Config
 from trainer.cost import format_cost
 from trainer.protocol import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
@@ -47,7 +47,8 @@ class Supervisor:
         self.policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
         self.ledger = Ledger(Path(cfg.run.dir))
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        self.heartbeat_dir = Path(tempfile.mkdtemp(prefix="heartbeats-", dir=cfg.run.dir))
+        lost = abandoned_progress(cfg.run.dir)  # a launcher of this node killed outright before this one
+        self.heartbeat_dir = Path(tempfile.mkdtemp(prefix=heartbeat_prefix(), dir=cfg.run.dir))
         self.watchdog = Watchdog(self.heartbeat_dir, f.hang_timeout_s)
         self.agent: SupervisedAgent | None = None  # created by run()
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
@@ -57,6 +58,9 @@ class Supervisor:
         self._decision: Decision | None = None  # the policy's, when it stopped restarting
         self._delay_s = 0.0  # backoff before the next restart
         self._interrupted: tuple[float, str] | None = None  # (when, why) the running group was stopped
+        if lost is not None:  # the first attempt resumes what it left: count its lost steps from here
+            self.ledger.previous_last_step = lost["step"]
+            self._interrupted = (self.ledger.started, "launcher lost")
         self._next_check = 0.0
         self._succeeded = False
         self._error: BaseException | None = None

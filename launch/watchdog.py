@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.process import proc_stat
+from trainer.process import is_alive, proc_stat
 from trainer.protocol import read_heartbeats
 
 
@@ -86,3 +87,25 @@ class Watchdog:
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def heartbeat_prefix(pid: int | None = None) -> str:
+    """A launcher's heartbeat directories in run.dir are named `heartbeats-<host>-<launcher pid>-...`: a
+    run.dir may be shared by the nodes of a job, and by a launcher and its successor."""
+    return f"heartbeats-{socket.gethostname()}-{os.getpid() if pid is None else pid}-"
+
+
+def abandoned_progress(run_dir: str | Path) -> dict | None:
+    """The furthest heartbeat left by launchers of this node that no longer exist (a launcher killed
+    outright never removes its directory), and their directories removed; None if there were none.
+    Its `step` is the step the lost launcher's group had reached."""
+    furthest = None
+    for directory in Path(run_dir).glob(f"heartbeats-{socket.gethostname()}-*"):
+        pid = directory.name.removeprefix(f"heartbeats-{socket.gethostname()}-").split("-", 1)[0]
+        if not pid.isdigit() or is_alive(int(pid)):
+            continue
+        for beat in read_heartbeats(directory).values():
+            if furthest is None or beat["step"] > furthest["step"]:
+                furthest = beat
+        shutil.rmtree(directory, ignore_errors=True)
+    return furthest

@@ -127,6 +127,25 @@ def test_sigterm_to_one_rank_is_recorded_as_that_ranks_preemption(cache_dir, tmp
     assert next(e for e in events if e["event"] == "resume")["lost_steps"] == 0
 
 
+def test_a_relaunch_after_the_launcher_was_killed_counts_the_lost_steps(cache_dir, tmp_path):
+    """The launcher itself is SIGKILLed (its ranks die with it): the next launch on that run.dir finds
+    the dead launcher's last heartbeats, and its resume event says how many steps were redone."""
+    first = launch(tmp_path, ["train.steps=60", "checkpoint.every=10"])
+    reached = wait_for_step(tmp_path, 15)["step"]
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    time.sleep(1.0)  # the ranks die with their launcher (PR_SET_PDEATHSIG)
+    reached = max([reached] + [b["step"] for d in tmp_path.glob("heartbeats-*") for b in read_heartbeats(d).values()])
+    second = launch(tmp_path, ["train.steps=60", "checkpoint.every=10"])
+    out = finish(second)
+    assert second.returncode == 0, out[-4000:]
+    resume = next(e for e in read_events(tmp_path) if e["event"] == "resume")
+    committed = reached // 10 * 10  # unless the kill came in the middle of that step's save
+    assert resume["reason"] == "launcher lost" and resume["step"] in (committed, committed - 10), resume
+    assert resume["lost_steps"] == reached - resume["step"] > 0, resume
+    assert not [d for d in tmp_path.glob("heartbeats-*")]  # the dead launcher's directory is gone too
+
+
 def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_dir, tmp_path):
     overrides = ["train.steps=150", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
     proc = launch(tmp_path, overrides)
