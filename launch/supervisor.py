@@ -214,7 +214,7 @@ class Supervisor:
         if self._succeeded:
             return EXIT_OK, "done"
         if self.preempt_at is not None:
-            clean = committed_since(self.cfg.checkpoint_dir, self.preempt_at)
+            clean = committed_since(self.cfg.checkpoint_dir, self.preempt_at, self.cfg.fault.preempt_grace_s)
             return EXIT_PREEMPTED, "preempted" if clean else "preempted (no emergency checkpoint)"
         if self._error is not None:
             return EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"
@@ -234,16 +234,29 @@ class Supervisor:
         return code
 
 
-def committed_since(root: str, t: float) -> bool:
+def committed_since(root: str, t: float, timeout_s: float) -> bool:
     """Whether the checkpoint store holds a step committed at or after unix time `t`. Asked of the
     store itself, which every node shares: exit codes do not tell (ranks still tearing down when the
     first one exits may be killed), and rank 0's `commit` events are in its own run.dir, which on
-    another node's pod this launcher does not see."""
+    another node's pod this launcher does not see. A store that does not answer within `timeout_s`
+    counts as not committed: a preempted launcher must exit within its grace period."""
     from trainer.checkpoint.commit import committed_steps, read_commit, step_dir
 
-    try:
-        steps = committed_steps(root)
-        return bool(steps) and read_commit(step_dir(root, steps[-1]))["time"] >= t
-    except Exception as e:  # noqa: BLE001 - unreadable store: say so, and count it as not committed
-        log.warning(f"could not check {root} for the emergency checkpoint: {type(e).__name__}: {e}")
+    answer: list[bool] = []
+
+    def ask() -> None:
+        try:
+            steps = committed_steps(root)
+            answer.append(bool(steps) and read_commit(step_dir(root, steps[-1]))["time"] >= t)
+        except Exception as e:  # noqa: BLE001 - unreadable store: say so, and count it as not committed
+            log.warning(f"could not check {root} for the emergency checkpoint: {type(e).__name__}: {e}")
+            answer.append(False)
+
+    asking = threading.Thread(target=ask, name="ask-checkpoint-store", daemon=True)
+    asking.start()
+    asking.join(timeout_s)
+    if asking.is_alive():
+        log.warning(f"the checkpoint store {root} did not answer within {timeout_s:.0f}s: the emergency "
+                    "checkpoint cannot be confirmed")
         return False
+    return answer[0]

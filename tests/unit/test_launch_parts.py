@@ -120,3 +120,19 @@ def test_kubernetes_recipe_is_an_elastic_pytorchjob():
     command = " ".join(container["command"] + container.get("args", []))
     assert container["name"] == "pytorch" and "launch" in command
     assert worker["template"]["spec"]["terminationGracePeriodSeconds"] >= 30  # room for the emergency checkpoint
+
+
+def test_a_checkpoint_store_that_does_not_answer_is_not_waited_for(tmp_path, monkeypatch):
+    """A preempted launcher asks the store whether the emergency checkpoint was committed: a store that
+    accepts the request and never answers costs at most the timeout, and counts as not committed."""
+    import time
+
+    from launch.supervisor import committed_since
+    from trainer.checkpoint import commit
+
+    monkeypatch.setattr(commit, "committed_steps", lambda root: time.sleep(30))
+    start = time.monotonic()
+    assert committed_since(str(tmp_path), 0.0, timeout_s=0.5) is False
+    assert time.monotonic() - start < 5
+    monkeypatch.setattr(commit, "committed_steps", lambda root: [])
+    assert committed_since(str(tmp_path), 0.0, timeout_s=5) is False  # answered: nothing committed
