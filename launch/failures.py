@@ -133,4 +133,5 @@ def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, d
 
 def from_hang(hang: Hang) -> Failure:
     """A hung rank as a failure. Its key names no pid or seconds: the same hang again is the same failure."""
-    return Failure(hang.rank, "hang", hang.step + 1, message=hang.describe(), key=f"rank {hang.rank} {hang.state}")
+    return Failure(hang.rank, "hang", hang.step + 1, message=hang.describe(),
+                   key=f"rank {hang.rank} {hang.state} {hang.phase}")

@@ -25,12 +25,20 @@ class Hang:
     stale_s: float
     state: str  # stopped | spinning | waiting | gone
     cpu: float = 0.0  # recent CPU use, fraction of one core
+    phase: str = "train"  # what the rank said it was doing last (its heartbeat's phase)
 
     def describe(self) -> str:
         what = {"stopped": "is stopped (SIGSTOP or a debugger)", "spinning": "is spinning (busy CPU, no progress)",
                 "waiting": "is waiting (in a collective or I/O)", "gone": "has vanished"}[self.state]
-        return (f"rank {self.rank} (pid {self.pid}) {what}: no step finished for {self.stale_s:.1f}s "
+        during = PHASES.get(self.phase, "")
+        return (f"rank {self.rank} (pid {self.pid}) {what}{during}: no step finished for {self.stale_s:.1f}s "
                 f"after step {self.step}")
+
+
+# Heartbeat phases that name where a rank was stuck; a storage that stops answering shows up in a save.
+PHASES = {"save": " while saving a checkpoint (is the checkpoint storage answering?)",
+          "preempt": " while saving its emergency checkpoint (is the checkpoint storage answering?)",
+          "eval": " while evaluating"}
 
 
 class Watchdog:
@@ -61,7 +69,8 @@ class Watchdog:
         if any(now - b["t"] > self.hang_timeout_s for b in armed):
             # A stopped rank (SIGSTOP, a debugger) is the culprit even when its last step ended a moment
             # after the overdue rank's: that rank waits for it in the next collective.
-            hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now)) for b in armed]
+            hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now),
+                          phase=b.get("phase", "train")) for b in armed]
             hangs = [h for h in hangs if h.stale_s > self.hang_timeout_s or h.state == "stopped"]
         for b in beats.values():  # CPU time sampled about once a second tells spinning from waiting
             stat = proc_stat(b["pid"])

@@ -17,9 +17,9 @@ from tests.helpers import REPO, SMOKE
 from trainer.process import proc_stat
 
 
-def _beat(directory, rank: int, pid: int, age_s: float) -> None:
+def _beat(directory, rank: int, pid: int, age_s: float, phase: str = "train") -> None:
     now = time.time()
-    record = {"pid": pid, "rank": rank, "attempt": 0, "phase": "train", "step": 7, "t": now - age_s,
+    record = {"pid": pid, "rank": rank, "attempt": 0, "phase": phase, "step": 7, "t": now - age_s,
               "t_first": now - 100, "busy_s": 1.0, "steps_run": 7}
     (directory / f"rank-{rank}.json").write_text(json.dumps(record))
 
@@ -74,6 +74,31 @@ def test_a_stopped_rank_is_blamed_even_if_a_peer_became_overdue_first(tmp_path):
         for p in (waiting, stopped):
             p.kill()
             p.wait(timeout=10)
+
+def test_a_rank_stuck_in_a_checkpoint_save_is_reported_as_such(tmp_path):
+    """A storage that accepts connections and never answers leaves a rank asleep in a save: the
+    diagnosis says where it was (its heartbeat's phase), and the same hang elsewhere is another failure."""
+    from launch.failures import from_hang
+
+    waiting = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.time() + 10
+        while proc_stat(waiting.pid)[0] != "S" and time.time() < deadline:  # asleep, as in a blocked read
+            time.sleep(0.01)
+        dog = Watchdog(tmp_path, hang_timeout_s=5)
+        _beat(tmp_path, 0, waiting.pid, age_s=10, phase="save")
+        hang = dog.check(attempt=0)
+        assert (hang.state, hang.phase) == ("waiting", "save"), hang
+        assert "is waiting (in a collective or I/O) while saving a checkpoint (is the checkpoint storage " \
+               "answering?): no step finished for" in hang.describe()
+        _beat(tmp_path, 0, waiting.pid, age_s=10)
+        in_training = dog.check(attempt=0)
+        assert "while" not in in_training.describe()
+        assert from_hang(hang).signature() != from_hang(in_training).signature()
+    finally:
+        waiting.kill()
+        waiting.wait(timeout=10)
+
 
 def test_launcher_rejects_bad_arguments_and_config_before_starting_anything(tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
