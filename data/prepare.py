@@ -34,7 +34,7 @@ from tqdm import tqdm
 from data import tokenizer as tokenizers_
 from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
 from trainer.protocol import EXIT_USAGE
-from trainer.storage import store_unreachable
+from trainer.storage import filesystem, store_unreachable
 
 MAX_SKIPPED_LISTED = 100  # the manifest lists this many skipped items; `skipped_bad` counts them all
 
@@ -65,7 +65,7 @@ def expand_inputs(patterns: list[str], bad: BadInput | None = None) -> list[str]
     bad = bad or BadInput()
     urls: list[str] = []
     for pattern in patterns:
-        fs, path = fsspec.core.url_to_fs(pattern)
+        fs, path = filesystem(pattern)
         protocol = pattern.split("://", 1)[0] + "://" if "://" in pattern else ""
         matches = fs.glob(path) if any(c in path for c in "*?[") else ([path] if fs.exists(path) else [])
         files: list[str] = []
@@ -253,7 +253,7 @@ def prepare(
 
 def existing_lineage(output: str) -> dict[str, Any] | None:
     """The lineage recorded in a finished output's manifest, or None (no or unreadable manifest)."""
-    fs, path = fsspec.core.url_to_fs(output)
+    fs, path = filesystem(output)
     if not fs.exists(f"{path.rstrip('/')}/{MANIFEST}"):
         return None
     try:

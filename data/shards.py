@@ -22,10 +22,9 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import fsspec
 import numpy as np
 
-from trainer.storage import is_local, join, unreachable_as, write_file
+from trainer.storage import filesystem, is_local, join, unreachable_as, write_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -88,7 +87,7 @@ class ShardWriter:
 
     def __init__(self, root: str, vocab_size: int, eos_id: int, shard_tokens: int = 1 << 24) -> None:
         self.root = root
-        self.fs, self.path = fsspec.core.url_to_fs(root)
+        self.fs, self.path = filesystem(root)
         self.fs.makedirs(self.path, exist_ok=True)
         manifest = join(self.path, MANIFEST)
         if self.fs.exists(manifest):  # rewriting: the old manifest must not vouch for half-written new shards
@@ -164,7 +163,7 @@ class ShardSet:
             raise ValueError(f"cache_shards must be at least 1; got {cache_shards}")
         self.root = root
         self.cache_shards = cache_shards
-        self.fs, self.path = fsspec.core.url_to_fs(root)
+        self.fs, self.path = filesystem(root)
         manifest_path = join(self.path, MANIFEST)
         with unreachable_as(ShardError, f"cannot read {root}"):
             try:
@@ -192,7 +191,7 @@ class ShardSet:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.root, self.cache_shards, self.manifest = state["root"], state["cache_shards"], state["manifest"]
-        self.fs, self.path = fsspec.core.url_to_fs(self.root)
+        self.fs, self.path = filesystem(self.root)
         self._setup(verified=state["verified"])
 
     def reopen(self) -> ShardSet:

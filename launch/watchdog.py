@@ -98,10 +98,14 @@ class Watchdog:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def _this_host() -> str:
+    return f"heartbeats-{socket.gethostname()}-"
+
+
 def heartbeat_prefix(pid: int | None = None) -> str:
     """A launcher's heartbeat directories in run.dir are named `heartbeats-<host>-<launcher pid>-...`: a
     run.dir may be shared by the nodes of a job, and by a launcher and its successor."""
-    return f"heartbeats-{socket.gethostname()}-{os.getpid() if pid is None else pid}-"
+    return f"{_this_host()}{os.getpid() if pid is None else pid}-"
 
 
 def abandoned_progress(run_dir: str | Path) -> dict | None:
@@ -109,8 +113,8 @@ def abandoned_progress(run_dir: str | Path) -> dict | None:
     outright never removes its directory), and their directories removed; None if there were none.
     Its `step` is the step the lost launcher's group had reached."""
     furthest = None
-    for directory in Path(run_dir).glob(f"heartbeats-{socket.gethostname()}-*"):
-        pid = directory.name.removeprefix(f"heartbeats-{socket.gethostname()}-").split("-", 1)[0]
+    for directory in Path(run_dir).glob(f"{_this_host()}*"):
+        pid = directory.name.removeprefix(_this_host()).split("-", 1)[0]
         if not pid.isdigit() or is_alive(int(pid)):
             continue
         for beat in read_heartbeats(directory).values():

@@ -21,7 +21,6 @@ from trainer.checkpoint import (
     CheckpointError,
     IncompatibleCheckpointError,
     TrainState,
-    read_train_state,
     step_dir,
 )
 from trainer.config import Config, ConfigError, micro_batch_size, validate
@@ -183,11 +182,11 @@ def resume(run: Run) -> None:
     if latest is None and mode == "required":
         raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
     if latest is not None:
-        check_same_model(run, latest)
-        run.state = run.checkpointer.load(latest, run.model, run.optimizer)
+        path = step_dir(root, latest)
+        run.state = run.checkpointer.load(latest, run.model, run.optimizer,
+                                          check=lambda saved: check_same_model(saved, run.cfg, path))
         run.loader.load_state_dict(run.state.data or {})
-        log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, step_dir(root, latest),
-                 run.state.world)
+        log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, path, run.state.world)
     elif mode != "never":
         log.info("no committed checkpoint in %s: starting fresh", root)
     run.heartbeat.beat("loaded", step=run.state.step, t_loaded=time.time(), resumed_step=run.state.step)
@@ -209,12 +208,11 @@ def resume(run: Run) -> None:
 RESUME_MAY_CHANGE = ("init_std",)
 
 
-def check_same_model(run: Run, step: int) -> None:
+def check_same_model(state: TrainState, cfg: Config, path: str) -> None:
     """Refuse to resume a model with other arguments than the checkpoint's (a changed `rope_theta`
     loads without complaint and trains another model), naming them. Checkpoints that predate the
     record are checked by tensor shapes only (in Checkpointer.load)."""
-    path = step_dir(run.cfg.checkpoint_dir, step)
-    saved, ours = read_train_state(path).model, asdict(run.cfg.model)
+    saved, ours = state.model, asdict(cfg.model)
     changed = [k for k in ours if k in saved and saved[k] != ours[k] and k not in RESUME_MAY_CHANGE]
     if changed:
         was = ", ".join(f"model.{k}={saved[k]!r}" for k in changed)

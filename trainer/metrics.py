@@ -158,9 +158,10 @@ class LogWindow:
     def __init__(self, timer: StepTimer, world_mean: Callable[[list[float]], list[float]]) -> None:
         self.timer, self.world_mean = timer, world_mean
         self.data_wait_total = 0.0  # this rank's, over the whole run
-        self._reset()
+        self.restart()
 
-    def _reset(self) -> None:
+    def restart(self) -> None:
+        """A new window starts now."""
         self.loss_sum, self.steps, self.data_wait, self.started = 0.0, 0, 0.0, time.perf_counter()
 
     def add(self, loss: float, data_wait: float) -> None:
@@ -179,9 +180,6 @@ class LogWindow:
         out = {"loss": loss, "step_time_s": elapsed / self.steps, "data_wait_s": wait / self.steps,
                **dict(zip(parts, means, strict=True))}
         return with_other(out)
-
-    def restart(self) -> None:
-        self._reset()
 
 # metrics.jsonl key -> TensorBoard tag
 TB_TAGS = {

@@ -297,9 +297,14 @@ class Checkpointer:
         spool = None if storage.is_local(self.root) else self._spool.open(step)
         return commit.verify(step_dir(self.root, step), self.info.rank, self.info.world, spool)
 
-    def load(self, step: int, model: nn.Module, optimizer) -> TrainState:
-        """Load model and optimizer (resharded to this world size) and the train state of `step`."""
+    def load(self, step: int, model: nn.Module, optimizer,
+             check: Callable[[TrainState], None] | None = None) -> TrainState:
+        """Load model and optimizer (resharded to this world size) and the train state of `step`.
+        `check` is given the train state before any tensor is read, and may refuse it by raising."""
         path = step_dir(self.root, step)
+        state = commit.read_train_state(path)
+        if check is not None:
+            check(state)
         fs, p = storage.filesystem(path)
         metadata = shard_format.load_metadata(fs.cat_file(f"{p}/.metadata"))  # refuses code before DCP reads
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -310,7 +315,6 @@ class Checkpointer:
         finally:
             self._spool.drop()
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        state = commit.read_train_state(path)
         if state.world == self.info.world and len(state.rng) == self.info.world:
             rng = base64.b64decode(state.rng[self.info.rank])
             torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
