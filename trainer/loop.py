@@ -15,11 +15,10 @@ from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
 from data.stream import TokenStream
-from trainer import fault, host, logs, parallel, protocol
+from trainer import fault, host, logs, parallel, protocol, resume_rules
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
-    IncompatibleCheckpointError,
     TrainState,
     step_dir,
 )
@@ -163,7 +162,7 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
     on_commit = (lambda step: on_event("commit", step=step)) if on_event else None
     checkpointer = Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit,
                                 every=ck.every, max_failed_saves=ck.max_failed_saves, on_event=on_event)
-    state = TrainState(world=info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model))
+    state = TrainState(world=info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model), config=cfg.to_dict())
     return Run(cfg, info, heartbeat, preemption, shards, loader, evaluator, model, optimizer, checkpointer,
                micro_batch, flops_per_token, peak, state)
 
@@ -182,11 +181,21 @@ def resume(run: Run) -> None:
     if latest is None and mode == "required":
         raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
     if latest is not None:
-        path = step_dir(root, latest)
-        run.state = run.checkpointer.load(latest, run.model, run.optimizer,
-                                          check=lambda saved: check_same_model(saved, run.cfg, path))
+        path, changed = step_dir(root, latest), {}
+
+        def check(saved: TrainState) -> None:  # before any tensor is read
+            changed.update(resume_rules.check_resume(saved.config, saved.model, cfg.to_dict(), path))
+
+        run.state = run.checkpointer.load(latest, run.model, run.optimizer, check=check)
         run.loader.load_state_dict(run.state.data or {})
         log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, path, run.state.world)
+        if changed:
+            log.info("settings changed since that checkpoint: %s", resume_rules.describe(changed))
+            if info.is_main:
+                protocol.append_event(cfg.run.dir, "config_changed", step=run.state.step,
+                                      changes={key: list(values) for key, values in changed.items()})
+        # The next checkpoint records this run's settings.
+        run.state.config, run.state.model, run.state.config_sha256 = cfg.to_dict(), asdict(cfg.model), cfg.sha256()
     elif mode != "never":
         log.info("no committed checkpoint in %s: starting fresh", root)
     run.heartbeat.beat("loaded", step=run.state.step, t_loaded=time.time(), resumed_step=run.state.step)
@@ -202,24 +211,6 @@ def resume(run: Run) -> None:
     run.window = LogWindow(run.timer, lambda values: parallel.all_reduce_mean(values, info))
     run.start_step, run.started = run.state.step, time.perf_counter()
     run.model.train()
-
-
-# Model arguments a resume may change: they only shape the weights before the first step.
-RESUME_MAY_CHANGE = ("init_std",)
-
-
-def check_same_model(state: TrainState, cfg: Config, path: str) -> None:
-    """Refuse to resume a model with other arguments than the checkpoint's (a changed `rope_theta`
-    loads without complaint and trains another model), naming them. Checkpoints that predate the
-    record are checked by tensor shapes only (in Checkpointer.load)."""
-    saved, ours = state.model, asdict(cfg.model)
-    changed = [k for k in ours if k in saved and saved[k] != ours[k] and k not in RESUME_MAY_CHANGE]
-    if changed:
-        was = ", ".join(f"model.{k}={saved[k]!r}" for k in changed)
-        now = ", ".join(f"model.{k}={ours[k]!r}" for k in changed)
-        raise IncompatibleCheckpointError(
-            f"{path} was trained with {was}; this run has {now}: resume with the model settings it was trained "
-            "with, or set another checkpoint.dir (or run.dir) to start a new run")
 
 
 # ---------------------------------------------------------------------- the step and what follows it

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, SMOKE, child_env, read_metrics, run_trainer, trainer_cmd
+from trainer.protocol import read_events
 
 STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=6"]
 
@@ -117,13 +118,22 @@ def test_non_finite_steps_are_skipped_then_abort_with_clear_error(cache_dir, tmp
     assert not (tmp_path / "checkpoints").exists()  # nothing bad was saved
 
 
-def test_resume_with_a_changed_model_is_refused_as_bad_input(cache_dir, tmp_path):
-    """The checkpoint records the model's arguments: a resume that changes one (a RoPE base that would
-    load without complaint, a width that would fail in DCP) stops before loading, names the change and
-    exits 2 (bad input: the launcher does not restart it); the unchanged config still resumes."""
+def test_resume_refuses_a_changed_model_and_lists_allowed_changes(cache_dir, tmp_path):
+    """The checkpoint records the config it was trained with: a resume that changes the model (a RoPE
+    base that would load without complaint, a width that would fail in DCP) or the data order stops
+    before loading, names each key with both values and exits 2 (bad input: the launcher does not
+    restart it); a change a resume may make (the step count, the schedule) is listed in the log and the
+    ledger, and the run resumes."""
     run_trainer(tmp_path, ["train.steps=2", "checkpoint.every=2"])
-    for change, was in (("model.rope_theta=500000.0", "model.rope_theta=10000.0"), ("model.dim=32", "model.dim=64")):
+    for change, listed in (("model.rope_theta=500000.0", "model.rope_theta: 10000.0 -> 500000.0"),
+                           ("model.dim=32", "model.dim: 64 -> 32"), ("data.seed=7", "data.seed: 1234 -> 7")):
         proc = run_trainer(tmp_path, ["train.steps=4", change], check=False)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert f"was trained with {was}; this run has {change}" in proc.stderr
-    assert "resumed from step 2" in run_trainer(tmp_path, ["train.steps=4"]).stdout
+        assert "a resume may not change (" + listed + ")" in proc.stderr
+    proc = run_trainer(tmp_path, ["train.steps=4", "train.lr=0.002"])
+    assert "resumed from step 2" in proc.stdout
+    assert ("settings changed since that checkpoint: checkpoint.every 2 -> 20, train.lr 0.003 -> 0.002, "
+            "train.steps 2 -> 4") in proc.stdout
+    changed = [e for e in read_events(tmp_path) if e["event"] == "config_changed"]
+    assert changed == [{**changed[0], "step": 2, "changes": {
+        "checkpoint.every": [2, 20], "train.lr": [0.003, 0.002], "train.steps": [2, 4]}}]

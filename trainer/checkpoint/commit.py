@@ -37,6 +37,7 @@ class TrainState:
     rng: list[str] = field(default_factory=list)  # torch CPU RNG state per rank, base64
     tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it shares its tensor with
     model: dict[str, Any] = field(default_factory=dict)  # the model's arguments (ModelArgs); {} before they were kept
+    config: dict[str, Any] = field(default_factory=dict)  # the run config (Config.to_dict); {} before it was kept
 
 
 def step_dir(root: str, step: int) -> str:
