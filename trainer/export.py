@@ -1,4 +1,6 @@
-"""`python -m trainer.export CHECKPOINT OUT.safetensors`: consolidated model weights for inference.
+"""`python -m trainer.export CHECKPOINT OUT.safetensors`: consolidated model weights for inference;
+`python -m trainer.export CHECKPOINT OUT_DIR --format hf [--dtype bf16|fp32] [--tokenizer tokenizer.json]`:
+a Hugging Face model directory that `transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` loads.
 
 CHECKPOINT is a step directory (`.../step-NNNNNNNN`) or a checkpoint root (then its newest committed
 step that verifies; a damaged newer step is skipped with a warning naming the file), a local path or
@@ -12,27 +14,62 @@ file's metadata `tied` lists them (JSON {name: name it shares}), and `safetensor
 restores the tie when loading into a model that ties them:
 
     model = Transformer(ModelArgs(...)); safetensors.torch.load_model(model, "OUT.safetensors")
+
+`--format hf` writes config.json (from the model arguments in train_state.json, or for a checkpoint that
+predates them the run's config.yaml beside the checkpoint root), model.safetensors (HF names and RoPE row
+order, `trainer.hf`; float32 unless `--dtype bf16`), tokenizer_config.json, generation_config.json and
+tokenizer.json: the one given, else the tokenizer of the dataset the checkpoint was trained on, found by
+its manifest checksum (train_state.json's data state) under the run config's data.path or in the
+built-in corpus cache. Without one the model files are still written, with a warning that says how to
+add it (the EOS id in config.json is then unknown: null).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import save, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer import logs, storage
-from trainer.checkpoint import COMMIT, STEP_DIR, CheckpointError, committed_steps, read_train_state, step_dir, verify
+from trainer import hf, logs, storage
+from trainer.checkpoint import (
+    COMMIT,
+    STEP_DIR,
+    TRAIN_STATE,
+    CheckpointError,
+    IncompatibleCheckpointError,
+    committed_steps,
+    read_train_state,
+    step_dir,
+    verify,
+)
 from trainer.checkpoint.format import CheckpointNotFoundError, load_metadata, load_state
+from trainer.config import Config, ConfigError
+from trainer.config import load as load_config
+from trainer.model_args import ModelArgs
 from trainer.protocol import EXIT_FAILED, EXIT_USAGE
 
 log = logs.get_logger("export")
 
-USAGE = "usage: python -m trainer.export CHECKPOINT OUT.safetensors  (CHECKPOINT: a step directory or a root)"
+USAGE = (
+    "usage: python -m trainer.export CHECKPOINT OUT.safetensors  (CHECKPOINT: a step directory or a root)\n"
+    "       python -m trainer.export CHECKPOINT OUT_DIR --format hf [--dtype bf16|fp32] [--tokenizer tokenizer.json]"
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class UsageError(ValueError):
+    """A bad command line or argument file (exit EXIT_USAGE)."""
+
+
+class TokenizerNotFoundError(LookupError):
+    """No tokenizer.json of the checkpoint's dataset could be found; the message says why."""
 
 
 def resolve(checkpoint: str) -> str:
@@ -98,20 +135,169 @@ def export(checkpoint: str, out: str) -> dict:
             "params": sum(t.numel() for t in weights.values()), "bytes": size, "dtypes": dtypes}
 
 
+# ---------------------------------------------------------------------- --format hf
+def export_hf(checkpoint: str, out: str, dtype: str = "fp32", tokenizer: str | None = None) -> dict:
+    """Write `checkpoint` as a Hugging Face Llama directory `out` (see the module docstring); returns what
+    was written."""
+    given = read_tokenizer(tokenizer) if tokenizer else None  # a bad argument fails before any real work
+    path = resolve(checkpoint)
+    weights, _, state = consolidate(path)
+    config = run_config(path)
+    args = model_args(path, state, config)
+    tok_json, tok_source = given, tokenizer
+    if tok_json is None:
+        try:
+            tok_json, tok_source = find_tokenizer(state, config)
+        except TokenizerNotFoundError as e:
+            log.warning("no %s written: %s. Pass --tokenizer FILE (the tokenizer.json of the dataset the model was "
+                        "trained on), or copy that file into %s", hf.TOKENIZER, e, out)
+    eos = check_tokenizer(tok_json, args, tok_source) if tok_json is not None else None
+    files = hf.write_hf_llama(out, weights, args, DTYPES[dtype], tok_json, eos)
+    return {"source": path, "out": out, "step": state.get("step"), "dtype": str(DTYPES[dtype]).removeprefix("torch."),
+            "params": sum(t.numel() for t in weights.values()), "files": files, "tokenizer": tok_source}
+
+
+def read_tokenizer(path: str) -> bytes:
+    """The bytes of the tokenizer.json at `path` (a path or URL); UsageError if there is none."""
+    fs, p = storage.filesystem(path)
+    try:
+        return fs.cat_file(p)
+    except (FileNotFoundError, IsADirectoryError):
+        raise UsageError(f"--tokenizer {path}: no such file") from None
+
+
+def check_tokenizer(data: bytes, args: ModelArgs, where: str) -> int:
+    """The EOS id of tokenizer.json `data` (from `where`), which must be rekindle's kind and fit the model."""
+    from data import tokenizer as tokenizers_
+
+    try:
+        tok = tokenizers_.from_bytes(data)
+        eos = tokenizers_.eos_id(tok)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a malformed file
+        raise UsageError(f"{where} is not a rekindle tokenizer.json: {e}") from None
+    if tok.get_vocab_size() > args.vocab_size:
+        raise UsageError(f"{where} has {tok.get_vocab_size()} tokens, more than the model's "
+                         f"vocab_size {args.vocab_size}: not the tokenizer it was trained with")
+    return eos
+
+
+def run_config(path: str) -> Config | None:
+    """The run's config.yaml beside checkpoint root (run.dir/checkpoints/step-N, the default layout), if
+    there is one and it loads; None otherwise."""
+    if not storage.is_local(path):
+        return None
+    candidate = Path(storage.local_path(path)).parent.parent / "config.yaml"
+    if not candidate.is_file():
+        return None
+    try:
+        return load_config(candidate)
+    except ConfigError as e:
+        log.warning("ignoring the run config %s: %s", candidate, e)
+        return None
+
+
+def model_args(path: str, state: dict, config: Config | None) -> ModelArgs:
+    """The checkpoint's model arguments: as train_state.json records them, else the run config's."""
+    if state.get("model"):
+        known = {f.name for f in fields(ModelArgs)}
+        return ModelArgs(**{k: v for k, v in state["model"].items() if k in known})
+    if config is not None:
+        log.info("%s/%s records no model arguments: using the run's config.yaml", path, TRAIN_STATE)
+        return config.model
+    raise IncompatibleCheckpointError(
+        f"{path}/{TRAIN_STATE} records no model arguments (a checkpoint saved before they were kept) and there is "
+        "no run config.yaml beside the checkpoint root: the Hugging Face config.json cannot be written")
+
+
+def find_tokenizer(state: dict, config: Config | None) -> tuple[bytes, str]:
+    """tokenizer.json of the dataset the checkpoint was trained on, and where it was found: the dataset
+    whose manifest checksum train_state.json's data state records, looked for at the run config's
+    data.path and among the prepared datasets of its data.cache_dir and the default cache (the built-in
+    corpus). Raises TokenizerNotFoundError saying why not."""
+    from data.corpus import default_cache_dir
+    from data.shards import MANIFEST, ShardError, ShardSet
+
+    want = (state.get("data") or {}).get("manifest_sha256")
+    if not want:
+        raise TokenizerNotFoundError("the checkpoint records no dataset (no data state in its train_state.json)")
+    roots = [config.data.path] if config is not None and config.data.path else []
+    caches = [Path(config.data.cache_dir)] if config is not None and config.data.cache_dir else []
+    for cache in [*caches, default_cache_dir()]:
+        if cache.is_dir():
+            roots += [str(d) for d in sorted(cache.iterdir()) if (d / MANIFEST).is_file()]
+    for root in dict.fromkeys(roots):
+        try:
+            shards = ShardSet(root)
+            if shards.manifest.sha256() != want:
+                continue
+            data = shards.tokenizer_json()
+        except (ShardError, OSError) as e:
+            log.info("not the checkpoint's dataset: %s (%s)", root, e)
+            continue
+        if hashlib.sha256(data).hexdigest() == shards.manifest.tokenizer_sha256:
+            return data, storage.join(root, hf.TOKENIZER)
+        log.warning("%s/%s does not match the checksum its manifest records: not used", root, hf.TOKENIZER)
+    looked = f"the run config's data.path {config.data.path}, " if config is not None and config.data.path else ""
+    raise TokenizerNotFoundError(f"no dataset with manifest sha256 {want[:12]}… (the checkpoint's) in "
+                                 f"{looked}the dataset cache {default_cache_dir()}")
+
+
+# ---------------------------------------------------------------------- command line
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="python -m trainer.export", add_help=False, allow_abbrev=False)
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
+    parser.add_argument("--dtype", choices=tuple(DTYPES))
+    parser.add_argument("--tokenizer")
+    opts = parser.parse_args(argv)
+    if opts.format != "hf" and (opts.dtype or opts.tokenizer):
+        raise UsageError("--dtype and --tokenizer apply to --format hf only")
+    return opts
+
+
+def say(info: dict) -> str:
+    """The summary line of an export."""
+    head = f"exported step {info['step']} of {info['source']} -> {info['out']}"
+    if "files" not in info:
+        tied = "".join(f"; {name} tied to {first} (stored once)" for name, first in info["tied"].items())
+        return (f"{head}: {info['tensors']} tensors, {info['params']:,} parameters ({'/'.join(info['dtypes'])}), "
+                f"{info['bytes'] / 1e6:.1f} MB{tied}")
+    files = [f"{name} ({size / 1e6:.1f} MB)" if name == hf.WEIGHTS else name for name, size in info["files"].items()]
+    tok = f"tokenizer from {info['tokenizer']}" if info["tokenizer"] else "NO tokenizer.json (see the warning)"
+    return (f"{head} (Hugging Face LlamaForCausalLM, {info['params']:,} parameters, {info['dtype']}): "
+            f"{', '.join(files)}; {tok}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logs.setup(stream=sys.stderr)
-    if len(argv) != 2 or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr if len(argv) != 1 else sys.stdout)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     try:
-        info = export(argv[0], argv[1])
+        opts = parse(argv)
+    except UsageError as e:
+        print(f"{USAGE}\nerror: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if opts.format == "hf":
+            info = export_hf(opts.checkpoint, opts.out, opts.dtype or "fp32", opts.tokenizer)
+        else:
+            info = export(opts.checkpoint, opts.out)
+    except (UsageError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(e, CheckpointNotFoundError) else EXIT_FAILED
-    tied = "".join(f"; {name} tied to {first} (stored once)" for name, first in info["tied"].items())
-    print(f"exported step {info['step']} of {info['source']} -> {info['out']}: {info['tensors']} tensors, "
-          f"{info['params']:,} parameters ({'/'.join(info['dtypes'])}), {info['bytes'] / 1e6:.1f} MB{tied}")
+        bad_input = (CheckpointNotFoundError, IncompatibleCheckpointError)
+        return EXIT_USAGE if isinstance(e, bad_input) else EXIT_FAILED
+    print(say(info))
     return 0
 
 
