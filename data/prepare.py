@@ -1,139 +1,52 @@
 """Raw text -> token shards + manifest.json + tokenizer.json.
 
     python -m data.prepare --input PATH_OR_URL [...] --output DIR_OR_URL [--tokenizer FILE | --vocab-size N]
-                           [--workers P] [--skip-bad] [--shard-tokens N]
+                           [--eos-token TOKEN] [--text-field NAME] [--workers P] [--skip-bad] [--shard-tokens N]
 
-Inputs are `.txt` files (one document per file) or `.jsonl` files (one document per line, field
-`text`), optionally `.gz`-compressed, on local disk or any fsspec URL (`s3://`, `memory://`), with globs.
+Inputs (data.readers) are `.txt` files (one document per file), `.jsonl` files (one document per line,
+field `text` or --text-field), both optionally `.gz`-compressed, Parquet files (one document per row,
+column `text` or --text-field) and Hugging Face `datasets` directories written by `save_to_disk` (their
+Arrow files, in state.json's order), on local disk or any fsspec URL (`s3://`, `memory://`), with globs;
+Parquet and Arrow need pyarrow (`pip install 'rekindle[formats]'`). A null text is skipped and counted.
+The tokenizer is trained on the input (--vocab-size) or an existing Hugging Face tokenizer.json; its
+--eos-token (default `<|endoftext|>`) ends every document, and the manifest records it and its id.
 Exact duplicate documents are dropped. Tokenization runs in P processes; the output is byte-identical
 for any P. The manifest records the lineage (every input with its size and sha256, the tokenizer, the
 shard size); re-running with an unchanged lineage over a finished output does nothing.
-Bad input (missing or empty file, invalid UTF-8, malformed JSON line) is an error naming the file and
-line, or with --skip-bad is skipped and counted in the manifest (`skipped_bad`, `skipped`).
+Bad input (missing, empty or corrupt file, invalid UTF-8, malformed JSON line, no such text field) is an
+error naming the file and line, or with --skip-bad is skipped and counted in the manifest (`skipped_bad`,
+`skipped`); null texts are counted there too (`skipped_null`).
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import itertools
-import json
 import multiprocessing
 import os
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import numpy as np
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from data import tokenizer as tokenizers_
+from data.readers import (  # BadInput, InputError, expand_inputs, read_documents: also this module's API
+    BadInput,
+    InputError,
+    expand_inputs,
+    file_lineage,
+    needs_pyarrow,
+    read_documents,
+    require_pyarrow,
+)
 from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
 from trainer.protocol import EXIT_USAGE
 from trainer.storage import filesystem, store_unreachable
-
-MAX_SKIPPED_LISTED = 100  # the manifest lists this many skipped items; `skipped_bad` counts them all
-
-
-class InputError(ValueError):
-    """Unreadable or malformed input, naming the file (and line)."""
-
-
-@dataclass
-class BadInput:
-    """Collects bad input: raises InputError at the first one, or (skip=True) records it and goes on."""
-
-    skip: bool = False
-    count: int = 0
-    items: list[dict[str, str]] = field(default_factory=list)
-
-    def report(self, where: str, reason: str) -> None:
-        if not self.skip:
-            raise InputError(f"{where}: {reason}")
-        self.count += 1
-        if len(self.items) < MAX_SKIPPED_LISTED:
-            self.items.append({"where": where, "reason": reason})
-
-
-def expand_inputs(patterns: list[str], bad: BadInput | None = None) -> list[str]:
-    """Resolve globs and directories into a sorted list of input URLs; missing inputs are an error
-    (or, with a skipping `bad`, skipped and counted; no input at all is always an error)."""
-    bad = bad or BadInput()
-    urls: list[str] = []
-    for pattern in patterns:
-        fs, path = filesystem(pattern)
-        protocol = pattern.split("://", 1)[0] + "://" if "://" in pattern else ""
-        matches = fs.glob(path) if any(c in path for c in "*?[") else ([path] if fs.exists(path) else [])
-        files: list[str] = []
-        for m in matches:
-            if fs.isdir(m):
-                files += [f for f in fs.find(m) if f.endswith((".txt", ".jsonl", ".txt.gz", ".jsonl.gz"))]
-            else:
-                files.append(m)
-        if not files:
-            bad.report(repr(pattern), "input matches no file")
-        urls += [protocol + f if protocol and not f.startswith(protocol) else f for f in sorted(files)]
-    if not urls:
-        raise InputError(f"input {' '.join(patterns)!r} matches no file")
-    return urls
-
-
-def read_documents(url: str, bad: BadInput | None = None) -> Iterator[str]:
-    """Yield the documents of one input file; bad files/lines go to `bad` (default: raise InputError)."""
-    bad = bad or BadInput()
-    try:
-        with fsspec.open(url, "rb") as raw:
-            data = raw.read()
-    except FileNotFoundError:
-        return bad.report(url, "file not found")
-    if url.endswith(".gz"):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            return bad.report(url, f"not a valid gzip file ({e})")
-    if not data.strip():
-        return bad.report(url, "empty file")
-    name = url[:-3] if url.endswith(".gz") else url
-    if name.endswith(".jsonl"):
-        for lineno, line in enumerate(data.split(b"\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                bad.report(f"{url}:{lineno}", f"invalid UTF-8 ({e.reason} at byte {e.start} of the line)")
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError) as e:
-                bad.report(f"{url}:{lineno}", f"malformed JSON line or no 'text' field ({e})")
-                continue
-            if not isinstance(text, str):
-                bad.report(f"{url}:{lineno}", "field 'text' is not a string")
-                continue
-            yield text
-    else:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            lineno = data[: e.start].count(b"\n") + 1
-            return bad.report(f"{url}:{lineno}", f"invalid UTF-8 ({e.reason} at byte {e.start})")
-        yield text
-
-
-def file_lineage(url: str) -> dict[str, Any]:
-    """{url, bytes, sha256} of one input file, streamed (never held in memory whole)."""
-    h, size = hashlib.sha256(), 0
-    with fsspec.open(url, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return {"url": url, "bytes": size, "sha256": h.hexdigest()}
-
 
 # --- parallel tokenization: P single-threaded tokenizers (P processes, or this one when P = 1); chunks
 # of about CHUNK_CHARS characters (not a number of documents, which may be few and very unequal) keep
@@ -145,12 +58,12 @@ CHUNK_CHARS = 1 << 18
 class ChunkEncoder:
     """Encodes a list of documents in this thread only: (tokens with EOS after each document, lengths)."""
 
-    def __init__(self, tokenizer_json: str, dtype: str) -> None:
+    def __init__(self, tokenizer_json: str, dtype: str, eos_id: int) -> None:
         self.tok = tokenizers_.from_bytes(tokenizer_json.encode())
         # A document that contains the EOS text itself (code and web text can) is encoded as plain text:
         # the only EOS tokens in the stream are the document boundaries this encoder inserts.
         self.tok.encode_special_tokens = True
-        self.eos, self.dtype = tokenizers_.eos_id(self.tok), np.dtype(dtype)
+        self.eos, self.dtype = eos_id, np.dtype(dtype)
 
     def __call__(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
         # encode() of one text never uses the Rust thread pool (encode_batch would, unless told not to)
@@ -163,10 +76,10 @@ class ChunkEncoder:
 _worker_encoder: ChunkEncoder | None = None
 
 
-def _init_worker(tokenizer_json: str, dtype: str) -> None:
+def _init_worker(tokenizer_json: str, dtype: str, eos_id: int) -> None:
     global _worker_encoder  # per-process worker state, set once by the pool initializer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, whatever the tokenizer is asked
-    _worker_encoder = ChunkEncoder(tokenizer_json, dtype)
+    _worker_encoder = ChunkEncoder(tokenizer_json, dtype, eos_id)
 
 
 def _encode_chunk(docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -187,19 +100,19 @@ def chunks(docs: Iterable[str], chars: int = CHUNK_CHARS) -> Iterator[list[str]]
         yield chunk
 
 
-def encode_parallel(tok, docs: Iterable[str], workers: int, dtype: str,
+def encode_parallel(tok, docs: Iterable[str], workers: int, dtype: str, eos_id: int,
                     chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encode documents with `workers` single-threaded tokenizers, yielding (tokens, lengths) per chunk in
-    input order; tokens hold each document followed by EOS. Read-ahead is bounded (4 chunks per worker)."""
+    input order; tokens hold each document followed by `eos_id`. Read-ahead is bounded (4 chunks per worker)."""
     todo = chunks(docs, chunk_chars)
     head = list(itertools.islice(todo, 2))
     todo = itertools.chain(head, todo)
     if workers <= 1 or len(head) < 2:  # one chunk: starting processes would cost more than it saves
-        yield from map(ChunkEncoder(tok.to_str(), dtype), todo)
+        yield from map(ChunkEncoder(tok.to_str(), dtype, eos_id), todo)
         return
     # spawn, not fork: the caller may hold threads (s3fs, tqdm, the tokenizer's own pool)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _init_worker, (tok.to_str(), dtype)) as pool:
+    with ctx.Pool(workers, _init_worker, (tok.to_str(), dtype, eos_id)) as pool:
         pending: deque = deque()
         for chunk in todo:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -220,12 +133,15 @@ def prepare(
     stats: dict[str, Any] | None = None,
     bad: BadInput | None = None,
     chunk_chars: int = CHUNK_CHARS,
+    eos_token: str = tokenizers_.EOS,
 ) -> Manifest:
     """Tokenize `docs` with `tok` and write shards + manifest to `output`; `workers` single-threaded
     tokenizer processes (1 = this process only). The output is byte-identical for any `workers`.
+    `eos_token` (a token of `tok`) follows every document; the manifest records it and its id.
 
     `stats` (e.g. lineage) is merged into the manifest's stats; so is what `bad` skipped while `docs` was read."""
-    writer = ShardWriter(output, tok.get_vocab_size(), tokenizers_.eos_id(tok), shard_tokens)
+    eos = tokenizers_.eos_id(tok, eos_token)
+    writer = ShardWriter(output, tok.get_vocab_size(), eos, shard_tokens, eos_token)
     seen: set[bytes] = set()
     duplicates = 0
 
@@ -240,13 +156,13 @@ def prepare(
             yield doc
 
     bar = tqdm(total=total_docs, unit="doc", desc="tokenize", disable=not progress, file=sys.stderr)
-    for tokens, lengths in encode_parallel(tok, unique(docs), workers, writer.dtype.name, chunk_chars):
+    for tokens, lengths in encode_parallel(tok, unique(docs), workers, writer.dtype.name, eos, chunk_chars):
         writer.add_encoded(tokens, lengths)
         bar.update(len(lengths))
     bar.close()
     if not seen:
         raise InputError(f"the input is empty: no documents to write to {output}")
-    skipped = {"skipped_bad": bad.count, "skipped": bad.items} if bad is not None else {}
+    skipped = {"skipped_bad": bad.count, "skipped": bad.items, "skipped_null": bad.nulls} if bad is not None else {}
     return writer.finish(tok.to_str().encode(),
                          {"documents": len(seen), "duplicates_dropped": duplicates, **skipped, **(stats or {})})
 
@@ -262,13 +178,19 @@ def existing_lineage(output: str) -> dict[str, Any] | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--input", nargs="+", required=True, help="files, dirs or globs; local or URL")
+    ap.add_argument("--input", nargs="+", required=True,
+                    help="files (.txt, .jsonl, .gz of those, .parquet, .arrow), directories (searched for those and "
+                         "for `datasets` save_to_disk directories) or globs; local or URL")
     ap.add_argument("--output", required=True, help="output dir or URL")
     group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--tokenizer", help="an existing tokenizer.json")
+    group.add_argument("--tokenizer", help="an existing tokenizer.json (any Hugging Face tokenizer)")
     group.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the input")
+    ap.add_argument("--eos-token", default=tokenizers_.EOS,
+                    help="the token that ends every document, in the tokenizer's vocabulary (default: %(default)s)")
+    ap.add_argument("--text-field", default="text",
+                    help="the field (.jsonl) or string column (.parquet, .arrow) holding the text (default: text)")
     ap.add_argument("--shard-tokens", type=int, default=1 << 24)
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                     help="tokenizer processes, one thread each (default: the CPUs available; the output is the "
@@ -279,33 +201,70 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error(f"--workers must be at least 1; got {args.workers}")
+    return args
+
+
+def load_tokenizer(path: str, eos_token: str) -> tuple[Tokenizer, str]:
+    """The tokenizer.json at `path` and its sha256; InputError if it is not one or lacks `eos_token`."""
     try:
-        bad = BadInput(skip=args.skip_bad)
-        urls = expand_inputs(args.input, bad)
-        inputs = []
-        for u in urls:
-            try:
-                inputs.append(file_lineage(u))
-            except FileNotFoundError:
-                bad.report(u, "file not found")
-        urls = [i["url"] for i in inputs]
-        if args.tokenizer:
-            with open(args.tokenizer, "rb") as f:
-                tokenizer = {"file_sha256": hashlib.sha256(f.read()).hexdigest()}
-        else:
-            tokenizer = {"train_vocab_size": args.vocab_size}
-        lineage = {"format": FORMAT_VERSION, "inputs": inputs, "tokenizer": tokenizer,
-                   "shard_tokens": args.shard_tokens, "skip_bad": args.skip_bad}
-        if not args.force and existing_lineage(args.output) == lineage:
-            print(f"{args.output} is up to date (same inputs, tokenizer and settings): nothing to do")
-            return 0
-        docs = lambda b: (d for u in urls for d in read_documents(u, b))  # noqa: E731
-        if args.tokenizer:
-            tok = tokenizers_.load(args.tokenizer)
-        else:
-            tok = tokenizers_.train(docs(BadInput(skip=args.skip_bad)), args.vocab_size)
-        manifest = prepare(docs(bad), args.output, tok, args.shard_tokens, progress=not args.no_progress,
-                           workers=args.workers, stats={"lineage": lineage}, bad=bad)
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise InputError(f"--tokenizer {path}: no such file") from None
+    try:
+        tok = tokenizers_.from_bytes(data)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a malformed file
+        raise InputError(f"--tokenizer {path}: not a tokenizer.json ({e})") from None
+    specials = tokenizers_.special_tokens(tok)
+    if tok.token_to_id(eos_token) is None:
+        raise InputError(f"--eos-token {eos_token!r} is not in the vocabulary of {path} "
+                         f"({tok.get_vocab_size():,} tokens; special tokens: {', '.join(specials) or 'none'})")
+    if eos_token not in specials:
+        print(f"warning: --eos-token {eos_token!r} is not a special token of {path}: a document whose text "
+              "contains it may encode to the same id, a false document boundary", file=sys.stderr)
+    return tok, hashlib.sha256(data).hexdigest()
+
+
+def lineage_of(args: argparse.Namespace, inputs: list[dict[str, Any]], tokenizer_sha256: str | None) -> dict:
+    """What the output is made from. Options at their defaults are left out, so that an output prepared
+    before the option existed stays up to date."""
+    tokenizer: dict[str, Any] = ({"file_sha256": tokenizer_sha256} if tokenizer_sha256 else
+                                 {"train_vocab_size": args.vocab_size})
+    if args.eos_token != tokenizers_.EOS:
+        tokenizer["eos_token"] = args.eos_token
+    lineage = {"format": FORMAT_VERSION, "inputs": inputs, "tokenizer": tokenizer,
+               "shard_tokens": args.shard_tokens, "skip_bad": args.skip_bad}
+    return lineage | ({"text_field": args.text_field} if args.text_field != "text" else {})
+
+
+def run(args: argparse.Namespace, bad: BadInput) -> Manifest | None:
+    """Prepare the output `args` describe; None if it is already up to date."""
+    urls = expand_inputs(args.input, bad)
+    if needs_pyarrow(urls):
+        require_pyarrow()
+    tok, tok_sha256 = load_tokenizer(args.tokenizer, args.eos_token) if args.tokenizer else (None, None)
+    inputs = []
+    for u in urls:
+        try:
+            inputs.append(file_lineage(u))
+        except FileNotFoundError:
+            bad.report(u, "file not found")
+    urls = [i["url"] for i in inputs]
+    lineage = lineage_of(args, inputs, tok_sha256)
+    if not args.force and existing_lineage(args.output) == lineage:
+        return None
+    docs = lambda b: (d for u in urls for d in read_documents(u, b, args.text_field))  # noqa: E731
+    if tok is None:
+        tok = tokenizers_.train(docs(BadInput(skip=args.skip_bad)), args.vocab_size, args.eos_token)
+    return prepare(docs(bad), args.output, tok, args.shard_tokens, progress=not args.no_progress,
+                   workers=args.workers, stats={"lineage": lineage}, bad=bad, eos_token=args.eos_token)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bad = BadInput(skip=args.skip_bad)
+    try:
+        manifest = run(args, bad)
     except (InputError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -314,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: object storage unusable: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if manifest is None:
+        print(f"{args.output} is up to date (same inputs, tokenizer and settings): nothing to do")
+        return 0
     skipped = f", skipped {bad.count} bad file(s)/line(s)" if bad.count else ""
+    skipped += f", skipped {bad.nulls:,} null text(s)" if bad.nulls else ""
     print(
         f"wrote {len(manifest.shards)} shard(s), {manifest.total_tokens:,} tokens, "
         f"{manifest.stats['documents']:,} documents ({manifest.stats['duplicates_dropped']:,} duplicates dropped"

@@ -3,9 +3,12 @@
 A prepared dataset is a directory (local path or fsspec URL) holding
   shard-00000.bin   raw token ids (uint16 when the vocabulary fits, else uint32), documents EOS-separated
   shard-00000.idx   int64 offsets of each document's first token inside the shard
-  manifest.json     format version, dtype, EOS id, tokenizer sha256, per-shard tokens/docs/sha256, stats
+  manifest.json     format version, dtype, EOS id and token, tokenizer sha256, per-shard tokens/docs/sha256,
+                    stats
   tokenizer.json    the tokenizer that produced the ids
-The manifest is written last, so a directory with a manifest is complete.
+The manifest is written last, so a directory with a manifest is complete. The EOS token ends every
+document: `<|endoftext|>` unless the data was prepared with another tokenizer's (`--eos-token`); readers
+take its id from the manifest (`eos_id`), never from the token's text.
 
 Reading: local shards are memory-mapped; remote shards (s3://, gs://, ... through fsspec) are fetched
 whole, verified, and kept in a small LRU cache, so memory stays bounded by `cache_shards` shards.
@@ -24,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from data.tokenizer import EOS
 from trainer.storage import filesystem, is_local, join, unreachable_as, write_file
 
 FORMAT_VERSION = 1
@@ -57,13 +61,17 @@ class Manifest:
     tokenizer_sha256: str
     shards: list[ShardInfo]
     stats: dict[str, Any] = field(default_factory=dict)
+    eos_token: str = EOS  # a manifest without one predates --eos-token, so its EOS is the default
 
     @property
     def total_tokens(self) -> int:
         return sum(s.tokens for s in self.shards)
 
     def sha256(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        # eos_token is left out: the tokenizer and eos_id, both in, determine it, and a manifest written
+        # before it was recorded keeps the checksum that checkpoints (the data state) hold
+        fields = {k: v for k, v in asdict(self).items() if k != "eos_token"}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     @staticmethod
     def from_json(text: str | bytes, where: str) -> Manifest:
@@ -85,7 +93,8 @@ def dtype_for(vocab_size: int) -> str:
 class ShardWriter:
     """Accumulates tokenized documents and cuts a shard each time `shard_tokens` is reached."""
 
-    def __init__(self, root: str, vocab_size: int, eos_id: int, shard_tokens: int = 1 << 24) -> None:
+    def __init__(self, root: str, vocab_size: int, eos_id: int, shard_tokens: int = 1 << 24,
+                 eos_token: str = EOS) -> None:
         self.root = root
         self.fs, self.path = filesystem(root)
         self.fs.makedirs(self.path, exist_ok=True)
@@ -93,7 +102,7 @@ class ShardWriter:
         if self.fs.exists(manifest):  # rewriting: the old manifest must not vouch for half-written new shards
             self.fs.rm_file(manifest)
         self.dtype = np.dtype(dtype_for(vocab_size))
-        self.vocab_size, self.eos_id, self.shard_tokens = vocab_size, eos_id, shard_tokens
+        self.vocab_size, self.eos_id, self.eos_token, self.shard_tokens = vocab_size, eos_id, eos_token, shard_tokens
         self.shards: list[ShardInfo] = []
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
@@ -145,6 +154,7 @@ class ShardWriter:
             tokenizer_sha256=hashlib.sha256(tokenizer_json).hexdigest(),
             shards=self.shards,
             stats={"unigram_entropy_nats": float(-(p * np.log(p)).sum()), **(stats or {})},
+            eos_token=self.eos_token,
         )
         write_file(self.fs, join(self.path, MANIFEST), json.dumps(asdict(manifest), indent=1).encode())
         return manifest

@@ -59,7 +59,8 @@ log = logs.get_logger("export")
 
 USAGE = (
     "usage: python -m trainer.export CHECKPOINT OUT.safetensors  (CHECKPOINT: a step directory or a root)\n"
-    "       python -m trainer.export CHECKPOINT OUT_DIR --format hf [--dtype bf16|fp32] [--tokenizer tokenizer.json]"
+    "       python -m trainer.export CHECKPOINT OUT_DIR --format hf [--dtype bf16|fp32] [--tokenizer tokenizer.json "
+    "[--eos-token TOKEN]]"
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -136,9 +137,10 @@ def export(checkpoint: str, out: str) -> dict:
 
 
 # ---------------------------------------------------------------------- --format hf
-def export_hf(checkpoint: str, out: str, dtype: str = "fp32", tokenizer: str | None = None) -> dict:
+def export_hf(checkpoint: str, out: str, dtype: str = "fp32", tokenizer: str | None = None,
+              eos_token: str = hf.EOS) -> dict:
     """Write `checkpoint` as a Hugging Face Llama directory `out` (see the module docstring); returns what
-    was written."""
+    was written. `eos_token`: the document separator of a `tokenizer` given (a found one's manifest says)."""
     given = read_tokenizer(tokenizer) if tokenizer else None  # a bad argument fails before any real work
     path = resolve(checkpoint)
     weights, _, state = consolidate(path)
@@ -147,12 +149,12 @@ def export_hf(checkpoint: str, out: str, dtype: str = "fp32", tokenizer: str | N
     tok_json, tok_source = given, tokenizer
     if tok_json is None:
         try:
-            tok_json, tok_source = find_tokenizer(state, config)
+            tok_json, tok_source, eos_token = find_tokenizer(state, config)
         except TokenizerNotFoundError as e:
             log.warning("no %s written: %s. Pass --tokenizer FILE (the tokenizer.json of the dataset the model was "
                         "trained on), or copy that file into %s", hf.TOKENIZER, e, out)
-    eos = check_tokenizer(tok_json, args, tok_source) if tok_json is not None else None
-    files = hf.write_hf_llama(out, weights, args, DTYPES[dtype], tok_json, eos)
+    eos = check_tokenizer(tok_json, args, tok_source, eos_token) if tok_json is not None else None
+    files = hf.write_hf_llama(out, weights, args, DTYPES[dtype], tok_json, eos, eos_token)
     return {"source": path, "out": out, "step": state.get("step"), "dtype": str(DTYPES[dtype]).removeprefix("torch."),
             "params": sum(t.numel() for t in weights.values()), "files": files, "tokenizer": tok_source}
 
@@ -166,13 +168,13 @@ def read_tokenizer(path: str) -> bytes:
         raise UsageError(f"--tokenizer {path}: no such file") from None
 
 
-def check_tokenizer(data: bytes, args: ModelArgs, where: str) -> int:
-    """The EOS id of tokenizer.json `data` (from `where`), which must be rekindle's kind and fit the model."""
+def check_tokenizer(data: bytes, args: ModelArgs, where: str, eos_token: str = hf.EOS) -> int:
+    """The id of `eos_token` in tokenizer.json `data` (from `where`), which must fit the model."""
     from data import tokenizer as tokenizers_
 
     try:
         tok = tokenizers_.from_bytes(data)
-        eos = tokenizers_.eos_id(tok)
+        eos = tokenizers_.eos_id(tok, eos_token)
     except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a malformed file
         raise UsageError(f"{where} is not a rekindle tokenizer.json: {e}") from None
     if tok.get_vocab_size() > args.vocab_size:
@@ -209,8 +211,9 @@ def model_args(path: str, state: dict, config: Config | None) -> ModelArgs:
         "no run config.yaml beside the checkpoint root: the Hugging Face config.json cannot be written")
 
 
-def find_tokenizer(state: dict, config: Config | None) -> tuple[bytes, str]:
-    """tokenizer.json of the dataset the checkpoint was trained on, and where it was found: the dataset
+def find_tokenizer(state: dict, config: Config | None) -> tuple[bytes, str, str]:
+    """tokenizer.json of the dataset the checkpoint was trained on, where it was found and its document
+    separator (the manifest's EOS token): the dataset
     whose manifest checksum train_state.json's data state records, looked for at the run config's
     data.path and among the prepared datasets of its data.cache_dir and the default cache (the built-in
     corpus). Raises TokenizerNotFoundError saying why not."""
@@ -235,7 +238,7 @@ def find_tokenizer(state: dict, config: Config | None) -> tuple[bytes, str]:
             log.info("not the checkpoint's dataset: %s (%s)", root, e)
             continue
         if hashlib.sha256(data).hexdigest() == shards.manifest.tokenizer_sha256:
-            return data, storage.join(root, hf.TOKENIZER)
+            return data, storage.join(root, hf.TOKENIZER), shards.manifest.eos_token
         log.warning("%s/%s does not match the checksum its manifest records: not used", root, hf.TOKENIZER)
     looked = f"the run config's data.path {config.data.path}, " if config is not None and config.data.path else ""
     raise TokenizerNotFoundError(f"no dataset with manifest sha256 {want[:12]}… (the checkpoint's) in "
@@ -255,9 +258,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
     parser.add_argument("--dtype", choices=tuple(DTYPES))
     parser.add_argument("--tokenizer")
+    parser.add_argument("--eos-token", default=None)
     opts = parser.parse_args(argv)
-    if opts.format != "hf" and (opts.dtype or opts.tokenizer):
-        raise UsageError("--dtype and --tokenizer apply to --format hf only")
+    if opts.format != "hf" and (opts.dtype or opts.tokenizer or opts.eos_token):
+        raise UsageError("--dtype, --tokenizer and --eos-token apply to --format hf only")
+    if opts.eos_token and not opts.tokenizer:
+        raise UsageError("--eos-token goes with --tokenizer (a found tokenizer's manifest names its EOS token)")
     return opts
 
 
@@ -287,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         if opts.format == "hf":
-            info = export_hf(opts.checkpoint, opts.out, opts.dtype or "fp32", opts.tokenizer)
+            info = export_hf(opts.checkpoint, opts.out, opts.dtype or "fp32", opts.tokenizer, opts.eos_token or hf.EOS)
         else:
             info = export(opts.checkpoint, opts.out)
     except (UsageError, FileExistsError) as e:

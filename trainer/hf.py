@@ -236,9 +236,9 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32, eos_id: int |
     }
 
 
-def tokenizer_config(args: ModelArgs) -> dict:
-    """tokenizer_config.json for rekindle's byte-level BPE (tokenizer.json, data/tokenizer.py)."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS, "eos_token": EOS,
+def tokenizer_config(args: ModelArgs, eos_token: str = EOS) -> dict:
+    """tokenizer_config.json for the dataset's tokenizer.json, whose document separator is `eos_token`."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos_token, "eos_token": eos_token,
             "model_max_length": args.seq_len, "clean_up_tokenization_spaces": False}
 
 
@@ -253,7 +253,8 @@ def _json(obj: dict) -> bytes:
 
 
 def write_hf_llama(out: str, weights: dict[str, torch.Tensor], args: ModelArgs, dtype: torch.dtype = torch.float32,
-                   tokenizer_json: bytes | None = None, eos_id: int | None = None) -> dict[str, int]:
+                   tokenizer_json: bytes | None = None, eos_id: int | None = None,
+                   eos_token: str = EOS) -> dict[str, int]:
     """Write directory `out` (a path or URL) that `LlamaForCausalLM.from_pretrained` loads: model.safetensors
     in `dtype`, the tokenizer files (tokenizer.json only when given), generation_config.json and, last, so
     that a directory left half-written does not load, config.json. Returns {file name: bytes}."""
@@ -261,7 +262,7 @@ def write_hf_llama(out: str, weights: dict[str, torch.Tensor], args: ModelArgs, 
     files = {WEIGHTS: save(hf, metadata={"format": "pt"})}
     if tokenizer_json is not None:
         files[TOKENIZER] = tokenizer_json
-    files[TOKENIZER_CONFIG] = _json(tokenizer_config(args))
+    files[TOKENIZER_CONFIG] = _json(tokenizer_config(args, eos_token))
     files[GENERATION_CONFIG] = _json(generation_config(eos_id))
     files[CONFIG] = _json(hf_config(args, dtype, eos_id))
     fs, p = storage.filesystem(out)

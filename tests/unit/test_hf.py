@@ -211,7 +211,7 @@ def test_cli_bad_input_exits_2_with_one_error_line(tmp_path, tokenizer_file, cap
     cases = {
         (str(tmp_path / "nowhere"), out, "--format", "hf"): f"no checkpoint at {tmp_path / 'nowhere'}",
         (ckpt, out, "--format", "hf", "--dtype", "fp16"): "invalid choice: 'fp16'",
-        (ckpt, out, "--dtype", "bf16"): "--dtype and --tokenizer apply to --format hf only",
+        (ckpt, out, "--dtype", "bf16"): "--dtype, --tokenizer and --eos-token apply to --format hf only",
         (ckpt, out, "--format", "hf", "--tokenizer", str(tmp_path / "no.json")): "no.json: no such file",
         (ckpt, out, "--format", "hf", "--tokenizer", __file__): "is not a rekindle tokenizer.json",
         (ckpt, str(tokenizer_file), "--format", "hf"): "is a file: --format hf writes a directory",
@@ -221,3 +221,17 @@ def test_cli_bad_input_exits_2_with_one_error_line(tmp_path, tokenizer_file, cap
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and why in errors[0], (argv, errors)
     assert not Path(out).exists()
+
+
+def test_a_tokenizer_with_another_eos_token_is_exported_with_it(tmp_path, capsys):
+    """Data prepared with a Hugging Face tokenizer whose document separator is `</s>`
+    (`data.prepare --eos-token`): the export names that token and its id."""
+    from tests.unit.test_data_formats import word_level_tokenizer
+
+    tok = word_level_tokenizer(tmp_path / "tokenizer.json")
+    ckpt, out = save_checkpoint(tmp_path / "ck", rekindle_model(tied=True)), tmp_path / "hf"
+    assert main([str(ckpt), str(out), "--format", "hf", "--tokenizer", str(tok), "--eos-token", "</s>"]) == 0
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
+    assert main([str(ckpt), str(tmp_path / "hf2"), "--format", "hf", "--tokenizer", str(tok)]) == 2  # no <|endoftext|>
+    assert main([str(ckpt), str(tmp_path / "hf3"), "--format", "hf", "--eos-token", "</s>"]) == 2  # without a file
