@@ -91,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     from launch.options import LaunchOptions
     from launch.supervisor import Supervisor
 
+    job = lock.job_key(args.rdzv_endpoint, args.rdzv_id)
     opts = LaunchOptions(args.config, args.overrides, nproc, min_nodes, max_nodes, args.max_restarts,
-                         args.rdzv_endpoint, args.rdzv_id, conf, args.local_addr)
+                         args.rdzv_endpoint, args.rdzv_id, conf, args.local_addr, job=job)
     try:
-        with lock.claim(cfg.run.dir, lock.job_key(args.rdzv_endpoint, args.rdzv_id)):
+        with lock.claim(cfg.run.dir, job):
             return Supervisor(cfg, opts).run()
     except lock.RunDirInUse as e:
         log.error(str(e))

@@ -11,7 +11,7 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainer.protocol import EXIT_PREEMPTED
+from trainer.protocol import EXIT_PREEMPTED, EXIT_STORAGE
 
 if TYPE_CHECKING:
     from launch.watchdog import Hang
@@ -26,7 +26,7 @@ class Failure:
     """What the restart policy decides on: one failure of the worker group, blamed on one rank."""
 
     rank: int
-    cause: str  # exit | signal | hang | preemption
+    cause: str  # exit | signal | hang | preemption | storage (it may come back: no crash-loop stop)
     step: int  # the step that was running (last finished step + 1)
     exit_code: int | None = None
     signal: str | None = None
@@ -38,7 +38,8 @@ class Failure:
 
     def describe(self) -> str:
         how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",
-               "hang": "hung", "preemption": "was preempted (SIGTERM)"}[self.cause]
+               "hang": "hung", "preemption": "was preempted (SIGTERM)",
+               "storage": "could not use its storage"}[self.cause]
         text = f"rank {self.rank} {how} at step {self.step}"
         return f"{text}: {self.message}" if self.message else text
 
@@ -127,11 +128,21 @@ def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, d
         rank = signalled[0] if signalled else cause.rank
         step = beats.get(rank, {}).get("step", last_step) + 1
         return Failure(rank, "preemption", step, cause.exit_code), ""
+    if cause.exit_code == EXIT_STORAGE:  # the rank said which URL, in one line: no traceback
+        return Failure(cause.rank, "storage", step, cause.exit_code, message=first_line(cause.error)), ""
     return (Failure(cause.rank, "exit", step, cause.exit_code, message=first_line(cause.error)),
             traceback_tail(cause.error))
 
 
-def from_hang(hang: Hang) -> Failure:
-    """A hung rank as a failure. Its key names no pid or seconds: the same hang again is the same failure."""
-    return Failure(hang.rank, "hang", hang.step + 1, message=hang.describe(),
-                   key=f"rank {hang.rank} {hang.state} {hang.phase}")
+# Heartbeat phases in which a rank waits on the checkpoint storage: a hang there is a storage failure.
+STORAGE_PHASES = ("save", "preempt", "load")
+
+
+def from_hang(hang: Hang, checkpoint_dir: str = "") -> Failure:
+    """A hung rank as a failure (cause `storage`, naming `checkpoint_dir`, when it hung in a save or a
+    load). Its key names no pid or seconds: the same hang again is the same failure."""
+    message = hang.describe()
+    if hang.phase in STORAGE_PHASES and checkpoint_dir:
+        message += f" [checkpoint storage: {checkpoint_dir}]"
+    cause = "storage" if hang.phase in STORAGE_PHASES else "hang"
+    return Failure(hang.rank, cause, hang.step + 1, message=message, key=f"rank {hang.rank} {hang.state} {hang.phase}")

@@ -18,3 +18,4 @@ class LaunchOptions:
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     local_addr: str | None = None  # address the other ranks reach this node at; None: auto
     monitor_interval_s: float = 0.1
+    job: str = ""  # this job's id (launch.lock.job_key): its ranks share the directory leases

@@ -1,13 +1,15 @@
 """Restart policy: what to do after a failure. Restart at once after a failure that came after
 progress; back off (doubling) when restarts make no progress; stop early on a crash loop (the same
-failure at the same step `repeats` times in a row) or on bad input, instead of spending the budget."""
+failure at the same step `repeats` times in a row) or on bad input, instead of spending the budget.
+Storage that could not be used may come back: its failures are no crash loop, they back off until the
+budget is spent (then exit EXIT_STORAGE)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from launch.failures import Failure
-from trainer.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_USAGE
+from trainer.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_STORAGE, EXIT_USAGE
 
 
 @dataclass
@@ -33,13 +35,15 @@ class RestartPolicy:
             return Decision(False, exit_code=EXIT_USAGE,
                             reason=f"{failure.describe()}\nbad input (exit code 2): restarting cannot fix it")
         tail = self.history[-self.crash_loop_repeats:]
-        if len(tail) == self.crash_loop_repeats and len({f.signature() for f in tail}) == 1:
+        looping = len(tail) == self.crash_loop_repeats and len({f.signature() for f in tail}) == 1
+        if looping and failure.cause != "storage":
             return Decision(False, exit_code=EXIT_CRASH_LOOP, reason=(
                 f"crash loop: the same failure {self.crash_loop_repeats} times in a row, each at step "
                 f"{failure.step}: {failure.describe()}\nnot restarting again ({self.max_restarts - self.restarts} "
                 f"restart(s) of the budget left); fix the cause, then launch again to resume"))
         if self.restarts >= self.max_restarts:
-            return Decision(False, exit_code=EXIT_FAILED, reason=(
+            code = EXIT_STORAGE if failure.cause == "storage" else EXIT_FAILED
+            return Decision(False, exit_code=code, reason=(
                 f"restart budget spent ({self.max_restarts} restart(s)); last failure: {failure.describe()}"))
         # Back off only while restarts do not get past the furthest step any attempt reached.
         best, streak = -1, 0

@@ -32,6 +32,7 @@ from launch.policy import Decision, RestartPolicy
 from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
 from trainer.config import Config
 from trainer.cost import format_cost
+from trainer.lease import JOB_ENV
 from trainer.protocol import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Supervisor:
         self.agent: SupervisedAgent | None = None  # created by run()
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
         self.preempt_at: float | None = None  # set by the signal handler (main thread)
+        self._ranks_at_signal = False  # whether a worker group was running when the signal came
         self._hard_stop = False  # a second signal
         self._signalled: set[int] = set()  # ranks already sent SIGTERM
         self._decision: Decision | None = None  # the policy's, when it stopped restarting
@@ -111,7 +113,7 @@ class Supervisor:
         elif status.state == "healthy":
             hang = self.watchdog.check(self.attempt, now)
             if hang:
-                self._on_failure(failures.from_hang(hang), "")
+                self._on_failure(failures.from_hang(hang, self.cfg.checkpoint_dir), "")
                 return True
         return False
 
@@ -155,6 +157,8 @@ class Supervisor:
         """Supervise the training run on this node to its end; returns the launcher's exit code."""
         os.environ[HEARTBEAT_DIR_ENV] = str(self.heartbeat_dir)
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        if self.opts.job:
+            os.environ[JOB_ENV] = self.opts.job  # the ranks of this job share its leases (trainer.lease)
         o = self.opts
         spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
@@ -204,6 +208,7 @@ class Supervisor:
             self._hard_stop = True
             return
         self.preempt_at = time.time()
+        self._ranks_at_signal = self.agent is not None and self.agent.running()
         name = signal.Signals(signum).name
         self.ledger.event("preempt", signal=name, step=self._last_step())
         log.info(f"{name}: asking the ranks to finish the step and commit an emergency checkpoint "
@@ -214,13 +219,29 @@ class Supervisor:
         if self._succeeded:
             return EXIT_OK, "done"
         if self.preempt_at is not None:
-            clean = committed_since(self.cfg.checkpoint_dir, self.preempt_at, self.cfg.fault.preempt_grace_s)
-            return EXIT_PREEMPTED, "preempted" if clean else "preempted (no emergency checkpoint)"
+            return self._preempted_outcome()
         if self._error is not None:
             return EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"
         if self._decision is not None:
             return self._decision.exit_code, self._decision.reason.splitlines()[0]
         return EXIT_FAILED, "failed"
+
+    def _preempted_outcome(self) -> tuple[int, str]:
+        """EXIT_PREEMPTED (launch again to resume: Slurm's requeue) when the run's state is safe in a
+        committed checkpoint: the ranks committed their emergency checkpoint, or nothing was trained since
+        the last commit (the signal came during a rendezvous, a backoff or a start-up). EXIT_FAILED,
+        saying so, when trained steps could not be committed within the grace period."""
+        # The store is asked within what is left of the grace period (at least a few seconds).
+        left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time(), 3.0)
+        newest = newest_commit(self.cfg.checkpoint_dir, left)
+        if newest is not None and newest[1] >= self.preempt_at:
+            return EXIT_PREEMPTED, "preempted"
+        trained = self._last_step()
+        if (newest is not None and newest[0] >= trained) or not self._ranks_at_signal:
+            return EXIT_PREEMPTED, "preempted (nothing was trained since the last commit)"
+        return EXIT_FAILED, (f"preempted, but no emergency checkpoint of step {trained} was committed within "
+                             f"fault.preempt_grace_s={self.cfg.fault.preempt_grace_s:g}s: the next launch resumes "
+                             f"from the last commit" + (f" (step {newest[0]})" if newest else ""))
 
     def _finish(self) -> int:
         code, outcome = self._outcome()
@@ -234,23 +255,23 @@ class Supervisor:
         return code
 
 
-def committed_since(root: str, t: float, timeout_s: float) -> bool:
-    """Whether the checkpoint store holds a step committed at or after unix time `t`. Asked of the
-    store itself, which every node shares: exit codes do not tell (ranks still tearing down when the
-    first one exits may be killed), and rank 0's `commit` events are in its own run.dir, which on
-    another node's pod this launcher does not see. A store that does not answer within `timeout_s`
-    counts as not committed: a preempted launcher must exit within its grace period."""
+def newest_commit(root: str, timeout_s: float) -> tuple[int, float] | None:
+    """(step, commit time) of the newest committed step in the checkpoint store, asked of the store
+    itself, which every node shares: exit codes do not tell (ranks still tearing down when the first
+    one exits may be killed), and rank 0's `commit` events are in its own run.dir, which on another
+    node's pod this launcher does not see. None when there is none, or the store does not answer within
+    `timeout_s` (a preempted launcher must exit within its grace period)."""
     from trainer.checkpoint.commit import committed_steps, read_commit, step_dir
 
-    answer: list[bool] = []
+    answer: list[tuple[int, float] | None] = []
 
     def ask() -> None:
         try:
             steps = committed_steps(root)
-            answer.append(bool(steps) and read_commit(step_dir(root, steps[-1]))["time"] >= t)
+            answer.append((steps[-1], read_commit(step_dir(root, steps[-1]))["time"]) if steps else None)
         except Exception as e:  # noqa: BLE001 - unreadable store: say so, and count it as not committed
             log.warning(f"could not check {root} for the emergency checkpoint: {type(e).__name__}: {e}")
-            answer.append(False)
+            answer.append(None)
 
     asking = threading.Thread(target=ask, name="ask-checkpoint-store", daemon=True)
     asking.start()
@@ -258,5 +279,5 @@ def committed_since(root: str, t: float, timeout_s: float) -> bool:
     if asking.is_alive():
         log.warning(f"the checkpoint store {root} did not answer within {timeout_s:.0f}s: the emergency "
                     "checkpoint cannot be confirmed")
-        return False
+        return None
     return answer[0]

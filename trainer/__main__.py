@@ -34,20 +34,30 @@ def main(argv: list[str] | None = None) -> int:
     from data.stream import DataStateError
     from trainer.checkpoint import CheckpointError, IncompatibleCheckpointError
     from trainer.fault import Preempted
+    from trainer.lease import DirectoryInUse
     from trainer.loop import train
     from trainer.step import NonFiniteError
+    from trainer.storage import caused_by_storage
 
     try:
         record(train)(cfg)  # an unexpected exception lands in torchelastic's error file for the launcher
     except Preempted as e:
         print(f"[rekindle] {e}", file=sys.stderr)
         return protocol.EXIT_PREEMPTED
-    except (ConfigError, ShardError, DataStateError, CheckpointError, NonFiniteError) as e:
+    except (ConfigError, ShardError, DataStateError, CheckpointError, NonFiniteError, DirectoryInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         ErrorHandler().record_exception(e)  # the launcher's ledger names the cause (no-op without torchrun)
-        # Input that no restart can fix exits EXIT_USAGE, which the launcher does not restart.
-        bad_input = (ConfigError, DataStateError, NotADatasetError, IncompatibleCheckpointError)
-        return protocol.EXIT_USAGE if isinstance(e, bad_input) else protocol.EXIT_FAILED
+        # Input that no restart can fix exits EXIT_USAGE, which the launcher does not restart; storage
+        # that could not be used (within storage.*'s bounds) may come back: EXIT_STORAGE.
+        bad_input = (ConfigError, DataStateError, NotADatasetError, IncompatibleCheckpointError, DirectoryInUse)
+        if isinstance(e, bad_input):
+            return protocol.EXIT_USAGE
+        return protocol.EXIT_STORAGE if caused_by_storage(e) else protocol.EXIT_FAILED
+    except Exception as e:
+        if caused_by_storage(e) is None:
+            raise
+        print(f"error: storage could not be used: {type(e).__name__}: {e}", file=sys.stderr)
+        return protocol.EXIT_STORAGE  # (record() above has left the error in torchelastic's error file)
     return protocol.EXIT_OK
 
 

@@ -27,6 +27,8 @@ class RunConfig:
     name: str = setting("rekindle", "run name; with run.dir it derives the launcher's job id")
     dir: str = setting("runs/default", "run directory: config.yaml, metrics.jsonl, events.jsonl, checkpoints/")
     seed: int = setting(1337, "seed of the model init")
+    lease_s: float = setting(60.0, "one job per run.dir and checkpoint.dir: a lease its holder renews; one not "
+                             "renewed for this long (or whose holder died) is taken over; 0 = no lease", ge=0)
 
 
 @dataclass
@@ -118,6 +120,16 @@ class FaultConfig:
 
 
 @dataclass
+class StorageConfig:
+    """Bounds on every storage call (checkpoints and data, local or object storage)."""
+
+    timeout_s: float = setting(30.0, "object storage: connect and read timeout of one request (s3fs/botocore)",
+                               gt=0)
+    stall_s: float = setting(300.0, "a checkpoint save or load, or a wait for training data, that takes longer is a "
+                             "stalled storage: the rank says which URL and exits 4; 0 = unbounded", ge=0)
+
+
+@dataclass
 class LogConfig:
     progress: bool = setting(True, "show progress on the console (rank 0)")
     tensorboard: bool = setting(False, "scalars to run.dir/tb/ on rank 0 (needs the tensorboard package)")
@@ -146,6 +158,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 

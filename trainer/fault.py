@@ -29,6 +29,23 @@ class Preempted(Exception):  # noqa: N818 - a request, not an error
         self.step = step
 
 
+def storage_stalled(message: str) -> None:
+    """A storage operation stalled past `storage.stall_s` (called from trainer.storage.StallWatch's
+    thread, while the blocked call cannot be interrupted): say so in one line, leave it in torchelastic's
+    error file for the launcher's ledger (cause: storage), and end this rank with EXIT_STORAGE now."""
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from trainer.storage import StorageStalled
+
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    try:
+        ErrorHandler().record_exception(StorageStalled(message))
+    finally:
+        os._exit(protocol.EXIT_STORAGE)
+
+
 def die_with_launcher() -> None:
     """Under the launcher, make the kernel SIGKILL this rank if the launcher dies (a lost node must
     not leave orphaned ranks holding ports and memory: torchrun starts them in their own session)."""

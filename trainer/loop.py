@@ -15,7 +15,7 @@ from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
 from data.stream import TokenStream
-from trainer import fault, host, logs, parallel, protocol, resume_rules
+from trainer import fault, host, logs, parallel, protocol, resume_rules, storage
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -26,6 +26,7 @@ from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.cost import cost_report, format_cost
 from trainer.evaluate import Evaluator
+from trainer.lease import DirectoryInUse, Lease
 from trainer.metrics import (
     BREAKDOWN,
     LogWindow,
@@ -53,6 +54,7 @@ class Run:
     info: parallel.DistInfo
     heartbeat: protocol.Heartbeat
     preemption: fault.PreemptionFlag
+    stalls: storage.StallWatch  # bounds the waits on storage (storage.stall_s)
     shards: ShardSet
     loader: BatchLoader
     evaluator: Evaluator
@@ -87,11 +89,16 @@ def train(cfg: Config) -> dict:
     fault.die_with_launcher()
     if cfg.dist.tune_malloc:
         host.tune_malloc()
+    storage.bound_requests(cfg.storage.timeout_s)
     info = parallel.init_distributed(cfg.dist)
     logs.setup(rank=info.rank, verbose=info.is_main)
     heartbeat, preemption, run = protocol.Heartbeat(info.rank), fault.PreemptionFlag(), None
+    stalls = storage.StallWatch(cfg.storage.stall_s, fault.storage_stalled)
+    leases: list[Lease] = []
     try:
-        run = build(cfg, info, heartbeat, preemption)
+        with stalls.guard("taking the leases on run.dir and checkpoint.dir", cfg.checkpoint_dir):
+            leases = hold_directories(cfg, info)
+        run = build(cfg, info, heartbeat, preemption, stalls)
         resume(run)
         while run.state.step < cfg.train.steps:
             step_start = time.perf_counter()
@@ -104,16 +111,55 @@ def train(cfg: Config) -> dict:
             if run is not None:
                 release(run, clean=False)  # a no-op after finish() or an emergency checkpoint
         finally:
+            with stalls.guard("releasing the leases", cfg.checkpoint_dir):
+                release_leases(leases)
+            stalls.close()
             preemption.close()
             heartbeat.close()
             parallel.shutdown()
 
 
 # ---------------------------------------------------------------------- build
-def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
+def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
+    """Rank 0 takes the leases on run.dir and the checkpoint directory for this job (trainer.lease);
+    every rank raises DirectoryInUse, naming the holder, when another live job holds one."""
+    if not cfg.run.lease_s:
+        return []
+    leases, refused = [], ""
+    if info.is_main:
+        try:
+            for directory in dict.fromkeys([cfg.run.dir, cfg.checkpoint_dir]):
+                lease = Lease(directory, cfg.run.lease_s)
+                taken = lease.acquire()
+                leases.append(lease)
+                if taken:
+                    holder, why = taken
+                    log.warning("took over the lease on %s from %s: %s", directory, holder.describe(), why)
+                    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+                    protocol.append_event(cfg.run.dir, "lease_taken", directory=directory, job=holder.job,
+                                          host=holder.host, pid=holder.pid, why=why)
+        except DirectoryInUse as e:
+            refused = str(e)
+    refused = parallel.broadcast_object(refused, info)
+    if refused:
+        release_leases(leases)
+        raise DirectoryInUse(refused)
+    return leases
+
+
+def release_leases(leases: list[Lease]) -> None:
+    for lease in leases:
+        try:
+            lease.release()
+        except Exception as e:  # noqa: BLE001 - a lease left behind is taken over by the next job
+            log.warning("could not release the lease %s: %s: %s", lease.url, type(e).__name__, e)
+
+
+def open_dataset(cfg: Config, info: parallel.DistInfo, stalls: storage.StallWatch) -> ShardSet:
     path = cfg.data.path or str(ensure_builtin(cfg.model.vocab_size, cfg.data.builtin_mb,
                                                cfg.data.cache_dir or None, progress=info.is_main))
-    shards = ShardSet(path)
+    with stalls.guard("opening the dataset", path):
+        shards = ShardSet(path)
     if shards.manifest.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the dataset's "
@@ -123,7 +169,7 @@ def open_dataset(cfg: Config, info: parallel.DistInfo) -> ShardSet:
 
 
 def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
-          preemption: fault.PreemptionFlag) -> Run:
+          preemption: fault.PreemptionFlag, stalls: storage.StallWatch) -> Run:
     """Data, model (sharded), optimizer and checkpointer; says what was built."""
     validate(cfg, info.world)
     t = cfg.train
@@ -133,7 +179,7 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
 
-    shards = open_dataset(cfg, info)
+    shards = open_dataset(cfg, info, stalls)
     stream = TokenStream(shards, cfg.model.seq_len, t.global_batch, cfg.data.seed, info.rank, info.world,
                          cfg.data.val_fraction)
     loader = BatchLoader(stream, cfg.data.num_workers,
@@ -147,6 +193,8 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
 
     torch.manual_seed(cfg.run.seed)  # the same on every rank: identical full weights before sharding
     model = Transformer(cfg.model)
+    if cfg.model.init_from:
+        init_from_hf(model, cfg)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = parallel.parallelize(model, cfg.dist, info)
     optimizer = build_optimizer(model, cfg, info.device)
@@ -161,10 +209,22 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
     on_event = (lambda name, **fields: protocol.append_event(run_dir, name, **fields)) if info.is_main else None
     on_commit = (lambda step: on_event("commit", step=step)) if on_event else None
     checkpointer = Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit,
-                                every=ck.every, max_failed_saves=ck.max_failed_saves, on_event=on_event)
+                                every=ck.every, max_failed_saves=ck.max_failed_saves, on_event=on_event,
+                                stalls=stalls)
     state = TrainState(world=info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model), config=cfg.to_dict())
-    return Run(cfg, info, heartbeat, preemption, shards, loader, evaluator, model, optimizer, checkpointer,
+    return Run(cfg, info, heartbeat, preemption, stalls, shards, loader, evaluator, model, optimizer, checkpointer,
                micro_batch, flops_per_token, peak, state)
+
+
+def init_from_hf(model: Transformer, cfg: Config) -> None:
+    """The full model's weights from a Hugging Face Llama directory (every rank, before sharding); a
+    resume then loads its checkpoint over them. HFModelError (bad input) when the shape is not this one."""
+    from trainer import hf
+
+    directory = cfg.model.init_from
+    weights, config = hf.read_hf_llama(directory)
+    model.load_state_dict(hf.from_hf_state_dict(weights, config, cfg.model, storage.join(directory, hf.CONFIG)))
+    log.info("model weights from %s (Hugging Face Llama)", directory)
 
 
 # ---------------------------------------------------------------------- resume
@@ -177,27 +237,14 @@ def resume(run: Run) -> None:
         raise CheckpointError(
             f"checkpoint.resume=never, but {root} holds committed step(s) {existing}: set another "
             "checkpoint.dir (or run.dir), or delete them to start over")
-    latest = run.checkpointer.discover_latest() if mode != "never" else None
-    if latest is None and mode == "required":
-        raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
-    if latest is not None:
-        path, changed = step_dir(root, latest), {}
-
-        def check(saved: TrainState) -> None:  # before any tensor is read
-            changed.update(resume_rules.check_resume(saved.config, saved.model, cfg.to_dict(), path))
-
-        run.state = run.checkpointer.load(latest, run.model, run.optimizer, check=check)
-        run.loader.load_state_dict(run.state.data or {})
-        log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, path, run.state.world)
-        if changed:
-            log.info("settings changed since that checkpoint: %s", resume_rules.describe(changed))
-            if info.is_main:
-                protocol.append_event(cfg.run.dir, "config_changed", step=run.state.step,
-                                      changes={key: list(values) for key, values in changed.items()})
-        # The next checkpoint records this run's settings.
-        run.state.config, run.state.model, run.state.config_sha256 = cfg.to_dict(), asdict(cfg.model), cfg.sha256()
-    elif mode != "never":
-        log.info("no committed checkpoint in %s: starting fresh", root)
+    with run.stalls.guard("resuming from a checkpoint", root):
+        latest = run.checkpointer.discover_latest() if mode != "never" else None
+        if latest is None and mode == "required":
+            raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
+        if latest is not None:
+            load_checkpoint(run, latest)
+        elif mode != "never":
+            log.info("no committed checkpoint in %s: starting fresh", root)
     run.heartbeat.beat("loaded", step=run.state.step, t_loaded=time.time(), resumed_step=run.state.step)
 
     t = cfg.train
@@ -213,13 +260,35 @@ def resume(run: Run) -> None:
     run.model.train()
 
 
+def load_checkpoint(run: Run, step: int) -> None:
+    """Load committed `step` into the run, once its config passes `resume_rules` (before any tensor
+    is read); list the settings this run changed, in the log and the ledger."""
+    cfg, path, changed = run.cfg, step_dir(run.cfg.checkpoint_dir, step), {}
+
+    def check(saved: TrainState) -> None:
+        changed.update(resume_rules.check_resume(saved.config, saved.model, cfg.to_dict(), path))
+
+    run.state = run.checkpointer.load(step, run.model, run.optimizer, check=check)
+    run.loader.load_state_dict(run.state.data or {})
+    log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, path, run.state.world)
+    if changed:
+        log.info("settings changed since that checkpoint: %s", resume_rules.describe(changed))
+        if run.info.is_main:
+            protocol.append_event(cfg.run.dir, "config_changed", step=run.state.step,
+                                  changes={key: list(values) for key, values in changed.items()})
+    # The next checkpoint records this run's settings.
+    run.state.config, run.state.model, run.state.config_sha256 = cfg.to_dict(), asdict(cfg.model), cfg.sha256()
+
+
 # ---------------------------------------------------------------------- the step and what follows it
 def next_batch(run: Run) -> tuple[list, float]:
     """The next batch as micro-batches, and the seconds spent waiting for it; sets this step's lr."""
     step = run.state.step + 1
     fault.inject_faults(step, run.info.rank)
     start = time.perf_counter()
-    micros = micro_batches(next(run.loader), run.micro_batch, run.cfg, run.info.device)
+    with run.stalls.guard("waiting for training data", run.shards.root):
+        batch = next(run.loader)
+    micros = micro_batches(batch, run.micro_batch, run.cfg, run.info.device)
     data_wait = time.perf_counter() - start
     set_lr(run.optimizer, lr_at(step, run.cfg))
     return micros, data_wait

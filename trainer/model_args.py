@@ -27,6 +27,8 @@ class ModelArgs:
                                 gt=0)
     norm_eps: float = setting(1e-5, "RMSNorm epsilon", ge=0)
     init_std: float = setting(0.02, "std of the normal weight init (residual projections: / sqrt(2 n_layers))", ge=0)
+    init_from: str = setting("", "start from the weights of a Hugging Face Llama directory (config.json and "
+                             "safetensors; its shape must be this one); a resume loads its checkpoint instead")
 
     @property
     def kv_heads(self) -> int:

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,15 @@ def autocast(cfg: DistConfig, info: DistInfo) -> contextlib.AbstractContextManag
     if info.world > 1 or dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(info.device.type, dtype=dtype)
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's `obj` on every rank (any picklable object)."""
+    if info.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_reduce_mean(values: list[float], info: DistInfo) -> list[float]:

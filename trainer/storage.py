@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fsspec
@@ -52,6 +55,85 @@ def join(root: str, name: str) -> str:
 # Packages whose exceptions mean "the object store could not be used" (connection refused or timed
 # out, bad credentials, a throttled or broken endpoint); a missing file is FileNotFoundError instead.
 STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "azure")
+
+
+def bound_requests(timeout_s: float) -> None:
+    """Give every S3 request this process makes from now on (s3fs, DCP's fsspec reader and writer) a
+    connect and read timeout of `timeout_s`, through fsspec's configuration of the `s3` protocol; keys
+    the user set there (FSSPEC_S3 in the environment) win."""
+    import fsspec.config
+
+    s3 = fsspec.config.conf.setdefault("s3", {})
+    kwargs = dict(s3.get("config_kwargs") or {})
+    kwargs.setdefault("connect_timeout", timeout_s)
+    kwargs.setdefault("read_timeout", timeout_s)
+    s3["config_kwargs"] = kwargs
+
+
+def caused_by_storage(e: BaseException) -> BaseException | None:
+    """The error in `e`'s chain (itself, its causes) that an object store's client raised (a refused or
+    timed-out connection, a throttled endpoint), or a stall: storage that may come back. None otherwise
+    (a missing file, a local disk error, a bug)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, StorageUnavailable) or type(e).__module__.split(".")[0] in (*STORE_CLIENTS, "fsspec"):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class StorageUnavailable(Exception):  # noqa: N818 - a kind of error, mixed into the callers' own
+    """Mixed into an error that says storage could not be reached or used: it may come back."""
+
+
+class StorageStalled(TimeoutError, StorageUnavailable):
+    """A storage operation did not finish within its bound."""
+
+
+class StallWatch:
+    """Bounds blocking storage work in this process: `with watch.guard(what, url): ...` that runs longer
+    than `limit_s` calls `on_stall(message)` from the watch's thread (the blocked call itself cannot be
+    interrupted: a write to an endpoint that stopped reading waits forever), with a message naming
+    what was being done and the URL. One thread per watch, started on first use; `limit_s` 0: no bound."""
+
+    def __init__(self, limit_s: float, on_stall: Callable[[str], None]) -> None:
+        self.limit_s, self.on_stall = limit_s, on_stall
+        self._active: dict[int, tuple[float, str]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def guard(self, what: str, url: str) -> Iterator[None]:
+        if not self.limit_s:
+            yield
+            return
+        key = next(self._ids)
+        with self._lock:
+            self._active[key] = (time.monotonic() + self.limit_s, f"{what} ({url})")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="storage-stall-watch", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active.pop(key, None)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(min(1.0, self.limit_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                stalled = [what for deadline, what in self._active.values() if deadline <= now]
+            if stalled:
+                self.on_stall(f"storage stalled: no answer within storage.stall_s={self.limit_s:g}s while "
+                              f"{stalled[0]}")
+                return
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 def store_unreachable(e: BaseException) -> bool:

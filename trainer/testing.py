@@ -83,3 +83,71 @@ def unreachable_env(base: Mapping[str, str] | None = None, secret: str = "s3cr3t
     return {**(os.environ if base is None else base), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
             "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": secret, "AWS_MAX_ATTEMPTS": "1",
             "AWS_DEFAULT_REGION": REGION}
+
+
+class TcpProxy:
+    """A TCP relay on 127.0.0.1 in a process of its own, in front of `target_port`: point a client at
+    `.port`, then `pause()` it (SIGSTOP: connections are still accepted by the kernel, and nothing is
+    ever answered, as with storage that stops answering) and `resume()` it (SIGCONT)."""
+
+    def __init__(self, target_port: int) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self._proc = subprocess.Popen([sys.executable, "-c", _RELAY, str(self.port), str(target_port)],
+                                      stdout=subprocess.PIPE)
+        if self._proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the TCP proxy did not start")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pause(self) -> None:
+        import signal
+
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        import signal
+
+        self._proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.resume()
+        self._proc.kill()
+        self._proc.wait(10)
+        self._proc.stdout.close()
+
+
+_RELAY = r"""
+import ctypes, signal, socket, sys, threading
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the test that started it
+listen, target = int(sys.argv[1]), int(sys.argv[2])
+server = socket.create_server(("127.0.0.1", listen), backlog=128)
+def pump(src, dst):
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+def serve(client):
+    try:
+        upstream = socket.create_connection(("127.0.0.1", target))
+    except OSError:
+        client.close()
+        return
+    threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
+    threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    serve(conn)
+"""

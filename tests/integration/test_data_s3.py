@@ -114,7 +114,7 @@ def test_unreachable_endpoint_is_one_clear_line(tmp_path):
                             "data.path=s3://rekindle-unreachable/ds", "log.progress=false"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert prep.returncode == 2 and "error: object storage unusable" in prep.stderr
-    assert train.returncode == 1 and "error: cannot read s3://rekindle-unreachable/ds" in train.stderr
+    assert train.returncode == 4 and "error: cannot read s3://rekindle-unreachable/ds" in train.stderr
     for proc in (prep, train):
         assert "Traceback" not in proc.stderr and SECRET not in proc.stderr + proc.stdout
         assert "Could not connect to the endpoint URL" in proc.stderr

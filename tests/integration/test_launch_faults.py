@@ -144,6 +144,11 @@ def test_a_relaunch_after_the_launcher_was_killed_counts_the_lost_steps(cache_di
     assert resume["reason"] == "launcher lost" and resume["step"] in (committed, committed - 10), resume
     assert resume["lost_steps"] == reached - resume["step"] > 0, resume
     assert not [d for d in tmp_path.glob("heartbeats-*")]  # the dead launcher's directory is gone too
+    # The dead job's leases on run.dir and the checkpoint directory were taken over, and the ledger says so.
+    taken = [e for e in read_events(tmp_path) if e["event"] == "lease_taken"]
+    assert sorted(Path(e["directory"]).name for e in taken) == ["checkpoints", tmp_path.name], taken
+    assert all(e["why"] == "its holder is dead" for e in taken), taken
+    assert not list(tmp_path.rglob("LEASE.json"))  # released at the end of the run
 
 
 def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_dir, tmp_path):

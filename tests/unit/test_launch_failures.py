@@ -7,7 +7,7 @@ from launch import failures
 from launch.failures import Failure, RankExit
 from launch.policy import RestartPolicy
 from launch.watchdog import Hang
-from trainer.protocol import EXIT_PREEMPTED
+from trainer.protocol import EXIT_PREEMPTED, EXIT_STORAGE
 
 CALLSTACK = "".join(f'  File "trainer/loop.py", line {n}, in frame{n}\n' for n in range(10))
 
@@ -120,3 +120,25 @@ def test_the_same_hang_with_another_pid_is_the_same_failure_for_the_policy():
     assert [policy.decide(h).restart for h in hangs] == [True, True, False]
     spinning = failures.from_hang(Hang(rank=1, pid=404, step=12, stale_s=60.0, state="spinning"))
     assert spinning.signature() != hangs[0].signature()
+
+
+def test_storage_failures_back_off_past_the_crash_loop_rule_and_end_with_exit_4():
+    """A rank that exits 4 (storage unusable or stalled, within storage.*'s bounds) is a storage failure,
+    named in one line without a traceback; storage may come back, so the same failure again is no crash
+    loop: restarts back off until the budget is spent, and the launcher then exits 4."""
+    error = {"message": "StorageStalled: storage stalled: no answer within storage.stall_s=6s while writing a "
+                        "checkpoint (s3://b/ck/step-00000020)"}
+    failure, tb = failures.from_exits({0: RankExit(0, 0, EXIT_STORAGE, 3.0, error)}, set(), {0: {"step": 19}}, 0)
+    assert (failure.cause, failure.step, tb) == ("storage", 20, "")
+    assert "could not use its storage" in failure.describe() and "s3://b/ck/step-00000020" in failure.describe()
+    policy = RestartPolicy(max_restarts=4, backoff_s=1.0, crash_loop_repeats=2)
+    decisions = [policy.decide(failure) for _ in range(5)]
+    assert [d.restart for d in decisions] == [True, True, True, True, False]
+    assert [d.delay_s for d in decisions[:4]] == [0.0, 1.0, 2.0, 4.0]  # no progress: backing off
+    assert decisions[-1].exit_code == EXIT_STORAGE and "restart budget spent" in decisions[-1].reason
+
+
+def test_a_hang_while_saving_is_a_storage_failure_naming_the_checkpoint_store():
+    hang = failures.from_hang(Hang(rank=0, pid=7, step=19, stale_s=61.0, state="waiting", phase="save"), "s3://b/ck")
+    assert hang.cause == "storage" and "while saving a checkpoint" in hang.message and "s3://b/ck" in hang.message
+    assert failures.from_hang(Hang(rank=0, pid=7, step=19, stale_s=61.0, state="waiting")).cause == "hang"

@@ -127,12 +127,12 @@ def test_a_checkpoint_store_that_does_not_answer_is_not_waited_for(tmp_path, mon
     accepts the request and never answers costs at most the timeout, and counts as not committed."""
     import time
 
-    from launch.supervisor import committed_since
+    from launch.supervisor import newest_commit
     from trainer.checkpoint import commit
 
     monkeypatch.setattr(commit, "committed_steps", lambda root: time.sleep(30))
     start = time.monotonic()
-    assert committed_since(str(tmp_path), 0.0, timeout_s=0.5) is False
+    assert newest_commit(str(tmp_path), timeout_s=0.5) is None
     assert time.monotonic() - start < 5
     monkeypatch.setattr(commit, "committed_steps", lambda root: [])
-    assert committed_since(str(tmp_path), 0.0, timeout_s=5) is False  # answered: nothing committed
+    assert newest_commit(str(tmp_path), timeout_s=5) is None  # answered: nothing committed

@@ -44,13 +44,14 @@ from trainer.checkpoint.commit import (
 from trainer.checkpoint.format import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     IncompatibleCheckpointError,
     UnsafeCheckpointError,
     load_state,
 )
 
 __all__ = [
-    "COMMIT", "STEP_DIR", "TRAIN_STATE", "CheckpointError", "CheckpointNotFoundError", "Checkpointer",
-    "IncompatibleCheckpointError", "TrainState", "UnsafeCheckpointError",
+    "COMMIT", "STEP_DIR", "TRAIN_STATE", "CheckpointError", "CheckpointNotFoundError", "CheckpointStorageError",
+    "Checkpointer", "IncompatibleCheckpointError", "TrainState", "UnsafeCheckpointError",
     "committed_steps", "load_state", "read_commit", "read_train_state", "step_dir", "tied_parameters", "verify",
 ]

@@ -26,7 +26,7 @@ from trainer import fault, storage
 from trainer.checkpoint import commit
 from trainer.checkpoint import format as shard_format
 from trainer.checkpoint.commit import TrainState, step_dir
-from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError, IncompatibleCheckpointError
+from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError, CheckpointStorageError, IncompatibleCheckpointError
 from trainer.checkpoint.spool import Spool
 from trainer.checkpoint.staging import AsyncStager
 from trainer.parallel import DistInfo
@@ -99,13 +99,24 @@ class _Collectives:
             dist.barrier()
 
 
+def _as_shared(e: Exception, doing: str) -> tuple[str, bool]:
+    """An error raised on one rank, as (message, storage could not be used) for the others."""
+    message = str(e) if isinstance(e, CheckpointError) else f"{doing}: {e!r}"
+    return message, storage.caused_by_storage(e) is not None
+
+
+def _raised(error: tuple[str, bool]) -> CheckpointError:
+    message, unavailable = error
+    return CheckpointStorageError(message) if unavailable else CheckpointError(message)
+
+
 class Checkpointer:
     """Saves and restores model + optimizer + train state; one instance per rank. Collective (every
     rank calls them, in the same order): save, poll, wait, list_committed, discover_latest, load."""
 
     def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False,
                  on_commit: Callable[[int], None] | None = None, every: int = 0, max_failed_saves: int = 0,
-                 on_event: Callable[..., None] | None = None) -> None:
+                 on_event: Callable[..., None] | None = None, stalls: storage.StallWatch | None = None) -> None:
         self.root, self.info, self.keep, self.keep_every, self.every = root, info, keep, keep_every, every
         self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
         self.on_event = on_event  # called on rank 0 with (event name, **fields): failed saves, fallbacks
@@ -116,6 +127,7 @@ class Checkpointer:
         self._save_s = 0.0
         self._spool = Spool()
         self._unusable: set[int] = set()  # committed steps that failed to verify (deleted once one is newer)
+        self._stalls = stalls or storage.StallWatch(0, lambda _: None)  # bounds the waits on the storage
 
     @property
     def last_blocking_s(self) -> float:
@@ -163,12 +175,13 @@ class Checkpointer:
     def _write(self, sd: dict, path: str, injected, group) -> dict[str, dict]:
         """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
         writer = shard_format.writer(path, injected)
-        with shard_format.quiet_single_process():
-            dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
-        fs, p = storage.filesystem(path)
-        for name, info in writer.digests.items():  # a stat, not a re-read: catches short writes
-            if int(fs.size(f"{p}/{name}")) != info["size"]:
-                raise OSError(f"{path}/{name} is {fs.size(f'{p}/{name}')} bytes after writing {info['size']}")
+        with self._stalls.guard("writing a checkpoint", path):
+            with shard_format.quiet_single_process():
+                dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
+            fs, p = storage.filesystem(path)
+            for name, info in writer.digests.items():  # a stat, not a re-read: catches short writes
+                if int(fs.size(f"{p}/{name}")) != info["size"]:
+                    raise OSError(f"{path}/{name} is {fs.size(f'{p}/{name}')} bytes after writing {info['size']}")
         return dict(writer.digests)
 
     def poll(self) -> None:
@@ -206,8 +219,9 @@ class Checkpointer:
         if not errors and self.info.is_main:
             fault.crash_point("commit", state.step, self.info.rank)
             try:
-                commit.write_commit(self.root, path, state, {k: v for _, f in results for k, v in f.items()},
-                                    self.info.world)
+                with self._stalls.guard("committing a checkpoint", path):
+                    commit.write_commit(self.root, path, state, {k: v for _, f in results for k, v in f.items()},
+                                        self.info.world)
             except Exception as e:  # noqa: BLE001
                 errors.append(f"rank 0: committing failed: {type(e).__name__}: {e}")
             else:
@@ -258,24 +272,24 @@ class Checkpointer:
         listing = None
         if self.info.is_main:
             try:
-                listing = ("", commit.committed_steps(self.root))
-            except Exception as e:  # noqa: BLE001 - said on every rank below
-                listing = (str(e) if isinstance(e, CheckpointError) else f"listing {self.root}: {e!r}", [])
+                listing = (None, commit.committed_steps(self.root))
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                listing = (_as_shared(e, f"listing {self.root}"), [])
         error, steps = self._all.broadcast(listing)
         if error:
-            raise CheckpointError(error)
+            raise _raised(error)
         return steps
 
     def discover_latest(self) -> int | None:
         """Newest committed step that verifies on every rank; the same answer on every rank."""
-        error = ""
+        error = None
         for step in reversed(self.list_committed()):
             try:
                 problem = self._verify_share(step)
             except Exception as e:  # noqa: BLE001 - storage unreachable (or a bug): stop on every rank
-                problem, error = "", str(e) if isinstance(e, CheckpointError) else f"verifying step {step}: {e!r}"
+                problem, error = "", _as_shared(e, f"verifying step {step}")
             results = self._all.gather((problem, error))
-            error = next((e for _, e in results if e), "")
+            error = next((e for _, e in results if e), None)
             problems = [p for p, _ in results if p]
             if error:
                 break
@@ -287,7 +301,7 @@ class Checkpointer:
                 self._event("fallback", step=step, problem=problems[0])
         self._spool.drop()
         if error:
-            raise CheckpointError(error)
+            raise _raised(error)
         return None
 
     def _verify_share(self, step: int) -> str:

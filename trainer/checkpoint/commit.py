@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer import storage
-from trainer.checkpoint.format import CheckpointError, load_metadata
+from trainer.checkpoint.format import CheckpointStorageError, load_metadata
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 COMMIT = "COMMIT.json"
@@ -97,7 +97,7 @@ def committed_steps(root: str) -> list[int]:
     """The steps under `root` that have a COMMIT.json (not verified), oldest first. Unreachable storage
     raises CheckpointError naming the URL."""
     fs, p = storage.filesystem(root)
-    with storage.unreachable_as(CheckpointError, f"cannot reach checkpoint storage {root}"):
+    with storage.unreachable_as(CheckpointStorageError, f"cannot reach checkpoint storage {root}"):
         if not fs.exists(p):
             return []
         steps = []
@@ -126,7 +126,7 @@ def verify(path: str, rank: int = 0, world: int = 1, spool: str | None = None) -
     the load to read instead of downloading them again. Without room for the copy, a file is checked
     remotely as without `spool`. A file that cannot be read (EIO) is a problem like a corrupt one;
     storage that cannot be reached at all raises CheckpointError (no step is usable or unusable then)."""
-    with storage.unreachable_as(CheckpointError, f"cannot read checkpoint storage at {path}"):
+    with storage.unreachable_as(CheckpointStorageError, f"cannot read checkpoint storage at {path}"):
         return _verify_files(path, rank, world, None if storage.is_local(path) else spool)
 
 

@@ -71,6 +71,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or used."""
 
 
+class CheckpointStorageError(CheckpointError, storage.StorageUnavailable):
+    """The checkpoint storage could not be reached or used (it may come back: exit code 4)."""
+
+
 class IncompatibleCheckpointError(CheckpointError):
     """A checkpoint of another model (shape or arguments) than this run's. Bad input: no restart can fix it."""
 

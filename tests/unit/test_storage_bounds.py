@@ -1,0 +1,54 @@
+"""Bounds on storage (trainer.storage): the stall watch and which errors mean "storage may come back"."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from trainer import storage
+from trainer.checkpoint import CheckpointError, CheckpointStorageError
+
+
+def test_a_stalled_operation_is_reported_once_naming_what_and_where():
+    said: list[str] = []
+    fired = threading.Event()
+    watch = storage.StallWatch(0.4, lambda message: (said.append(message), fired.set()))
+    try:
+        with watch.guard("reading training data", "s3://b/ds"):
+            time.sleep(0.05)  # well within the bound: nothing said
+        assert not said
+        with watch.guard("writing a checkpoint", "s3://b/ck/step-00000020"):
+            assert fired.wait(5)
+        assert said == ["storage stalled: no answer within storage.stall_s=0.4s while writing a checkpoint "
+                        "(s3://b/ck/step-00000020)"]
+    finally:
+        watch.close()
+
+
+def test_no_bound_means_no_watch_thread():
+    watch = storage.StallWatch(0, lambda message: None)
+    with watch.guard("anything", "s3://b"):
+        pass
+    assert watch._thread is None
+
+
+def test_storage_errors_are_told_from_bad_input_and_bugs():
+    from botocore.exceptions import EndpointConnectionError
+
+    refused = EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+    try:
+        raise CheckpointError("cannot reach checkpoint storage s3://b") from refused
+    except CheckpointError as e:
+        assert storage.caused_by_storage(e) is refused
+    assert storage.caused_by_storage(CheckpointStorageError("listing s3://b: ...")) is not None
+    assert storage.caused_by_storage(storage.StorageStalled("stalled")) is not None
+    for other in (FileNotFoundError("s3://b/x"), CheckpointError("corrupt"), ValueError("bug")):
+        assert storage.caused_by_storage(other) is None
+
+
+def test_requests_get_timeouts_unless_the_user_set_their_own(monkeypatch):
+    import fsspec.config
+
+    monkeypatch.setattr(fsspec.config, "conf", {"s3": {"config_kwargs": {"read_timeout": 99}}})
+    storage.bound_requests(7.0)
+    assert fsspec.config.conf["s3"]["config_kwargs"] == {"read_timeout": 99, "connect_timeout": 7.0}
