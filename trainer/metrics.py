@@ -212,7 +212,9 @@ class MetricsLog:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            # A resumed run redoes the steps after its checkpoint: TensorBoard hides what an earlier attempt
+            # logged from that step on (purge_step), so each curve has each step once.
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step + 1 if start_step else None)
         self.interactive = progress and sys.stderr.isatty()
         self.bar = None
         if enabled and self.interactive:

@@ -113,3 +113,24 @@ def test_plot_writes_png_with_failure_timeline(run, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main([str(empty)]) == 1
+
+
+def test_a_resumed_run_has_each_step_once_in_tensorboard(cache_dir, tmp_path):
+    """Steps 1-5 logged, step 4 committed, a crash at step 6: the resumed run redoes step 5, and
+    TensorBoard shows each step once, with the resumed run's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = ["train.steps=8", "train.log_every=1", "train.eval_every=0", "checkpoint.every=4",
+                 "log.tensorboard=true"]
+    from tests.helpers import child_env, trainer_cmd
+
+    crashed = subprocess.run(trainer_cmd(1, Path(REPO) / "configs/smoke.yaml", [f"run.dir={tmp_path}", *overrides]),
+                             cwd=REPO, env=child_env(REKINDLE_FAIL_AT="6"), capture_output=True, text=True,
+                             timeout=180)
+    assert crashed.returncode != 0 and sorted(read_metrics(tmp_path)) == [1, 2, 3, 4, 5]
+    run_trainer(tmp_path, overrides)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    losses = [(e.step, e.value) for e in acc.Scalars("loss/train")]
+    assert [step for step, _ in losses] == list(range(1, 9)), losses
+    assert dict(losses)[5] == pytest.approx(read_metrics(tmp_path)[5]["loss"], rel=1e-6)
