@@ -13,9 +13,13 @@ from trainer.protocol import EXIT_USAGE
 
 log = logs.get_logger(root=logs.LAUNCHER)
 
-EPILOG = """exit codes: 0 done | 1 failed (restart budget spent, or launcher error) | 2 bad config or input |
-3 crash loop (the same failure at the same step again and again) | 75 preempted (emergency checkpoint
-committed; launch again to resume)
+EPILOG = """exit codes: 0 done | 1 failed (restart budget spent, launcher error, or preempted without an
+emergency checkpoint) | 2 bad config or input | 3 crash loop (the same failure at the same step again and
+again) | 4 storage could not be used within storage.* (restarted with backoff until the budget is spent) |
+75 preempted (state committed; launch again to resume)
+
+torchrun's spellings work (--nproc_per_node, --standalone, --rdzv-backend c10d, --node-rank, PET_*
+variables); its options that have no meaning here (--master-addr, --log-dir, ...) are refused by name.
 
 examples:
   python -m launch --nproc-per-node 2 configs/smoke.yaml
@@ -40,29 +44,86 @@ def nproc_per_node(value: str) -> int:
     return int(value)
 
 
+# torchrun options this launcher does not have, each with what to do instead (refused by name).
+NOT_SUPPORTED = {
+    "--master-addr": "use --rdzv-endpoint HOST:PORT (c10d rendezvous)",
+    "--master-port": "use --rdzv-endpoint HOST:PORT (c10d rendezvous)",
+    "--log-dir": "the ranks' output goes to this launcher's stdout/stderr; run.dir holds metrics and events",
+    "--redirects": "the ranks' output goes to this launcher's stdout/stderr",
+    "--tee": "the ranks' output goes to this launcher's stdout/stderr",
+    "--role": "one role: the trainer",
+    "--monitor-interval": "the watchdog reads heartbeats every fault.heartbeat_s",
+    "--start-method": "the ranks are started as processes, as torchrun's default",
+    "--no-python": "the launcher runs `python -m trainer`",
+    "--run-path": "the launcher runs `python -m trainer`",
+    "--module": "the launcher runs `python -m trainer`",
+    "--local-ranks-filter": "every rank's output is shown",
+}
+
+
+def _spellings(option: str) -> list[str]:
+    """torchrun accepts both --nproc-per-node and --nproc_per_node."""
+    return [option, option.replace("-", "_").replace("__", "--", 1)]
+
+
+def refused_torchrun_option(argv: list[str]) -> str:
+    """The first torchrun option in `argv` that this launcher does not have, with what to use instead."""
+    for arg in argv:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if name in NOT_SUPPORTED or name == "-m":
+            key = "--module" if name == "-m" else name
+            return f"torchrun's {arg.split('=', 1)[0]} is not supported by python -m launch: {NOT_SUPPORTED[key]}"
+    return ""
+
+
 def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m launch", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc-per-node", default=_env("NPROC_PER_NODE", "1"),
+    p.add_argument(*_spellings("--nproc-per-node"), dest="nproc_per_node", default=_env("NPROC_PER_NODE", "1"),
                    help="ranks on this node: N, or auto (the GPUs, else the CPUs), gpu or cpu, as torchrun (default 1)")
     p.add_argument("--nnodes", default=_env("NNODES", "1"), help="N or MIN:MAX nodes (elastic between MIN and MAX)")
-    p.add_argument("--max-restarts", type=int, default=_env("MAX_RESTARTS", None),
+    p.add_argument(*_spellings("--max-restarts"), dest="max_restarts", type=int, default=_env("MAX_RESTARTS", None),
                    help="restart budget (default fault.max_restarts)")
-    p.add_argument("--rdzv-endpoint", default=_env("RDZV_ENDPOINT", ""),
+    p.add_argument("--standalone", action="store_true",
+                   help="one node, rendezvous on 127.0.0.1 (the default without --rdzv-endpoint), as torchrun")
+    p.add_argument(*_spellings("--rdzv-backend"), dest="rdzv_backend", default=_env("RDZV_BACKEND", "c10d"),
+                   help="c10d, the only rendezvous backend (as torchrun's default)")
+    p.add_argument(*_spellings("--rdzv-endpoint"), dest="rdzv_endpoint", default=_env("RDZV_ENDPOINT", ""),
                    help="HOST:PORT of the c10d rendezvous (default: this node alone, on 127.0.0.1)")
-    p.add_argument("--rdzv-id", default=_env("RDZV_ID", ""),
+    p.add_argument(*_spellings("--rdzv-id"), dest="rdzv_id", default=_env("RDZV_ID", ""),
                    help="job id shared by all nodes (default: from run.name and run.dir)")
-    p.add_argument("--rdzv-conf", default=_env("RDZV_CONF", ""),
+    p.add_argument(*_spellings("--rdzv-conf"), dest="rdzv_conf", default=_env("RDZV_CONF", ""),
                    help="extra rendezvous settings, k=v,k=v (e.g. join_timeout=600)")
-    p.add_argument("--local-addr", default=None, help="address other nodes reach this one at")
+    p.add_argument(*_spellings("--node-rank"), dest="node_rank", default=_env("NODE_RANK", None),
+                   help="accepted as torchrun does and not needed: the c10d rendezvous numbers the nodes")
+    p.add_argument(*_spellings("--local-addr"), dest="local_addr", default=None,
+                   help="address other nodes reach this one at")
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
     return p.parse_args(argv)
 
 
+def torchrun_conflicts(args) -> str:
+    """What is wrong with the torchrun-style options given ('' if nothing)."""
+    if args.rdzv_backend != "c10d":
+        return f"--rdzv-backend {args.rdzv_backend!r} is not supported: c10d is the only rendezvous backend"
+    if args.standalone and (args.rdzv_endpoint or args.nnodes not in ("1", "1:1")):
+        return "--standalone is one node with a local rendezvous: drop --rdzv-endpoint and --nnodes"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
     logs.setup(logs.LAUNCHER, stream=sys.stderr)
+    refused = refused_torchrun_option(argv)
+    if refused:
+        log.error(refused)
+        return EXIT_USAGE
+    args = parse_args(argv)
+    conflict = torchrun_conflicts(args)
+    if conflict:
+        log.error(conflict)
+        return EXIT_USAGE
     from trainer.config import ConfigError, load, validate
 
     try:

@@ -136,3 +136,23 @@ def test_a_checkpoint_store_that_does_not_answer_is_not_waited_for(tmp_path, mon
     assert time.monotonic() - start < 5
     monkeypatch.setattr(commit, "committed_steps", lambda root: [])
     assert newest_commit(str(tmp_path), timeout_s=5) is None  # answered: nothing committed
+
+
+def test_torchrun_spellings_are_accepted_and_its_other_options_refused_by_name(monkeypatch):
+    from launch.__main__ import main, parse_args, refused_torchrun_option, torchrun_conflicts
+
+    args = parse_args(["--nproc_per_node=2", "--standalone", "--node_rank", "0", "--rdzv_backend", "c10d",
+                       "--max_restarts", "3", "c.yaml", "train.steps=5"])
+    assert (args.nproc_per_node, args.max_restarts, args.config, args.overrides) == ("2", 3, "c.yaml",
+                                                                                      ["train.steps=5"])
+    assert torchrun_conflicts(args) == ""
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    args = parse_args(["c.yaml"])
+    assert args.node_rank == "1" and "'etcd' is not supported" in torchrun_conflicts(args)
+    assert "--standalone is one node" in torchrun_conflicts(
+        parse_args(["--standalone", "--rdzv-endpoint", "h:1", "--rdzv-backend", "c10d", "c.yaml"]))
+    for option in ("--master_addr=h", "--master-port", "--log-dir", "--tee", "--redirects", "-m"):
+        assert f"torchrun's {option.split('=')[0]} is not supported" in refused_torchrun_option(
+            ["--nproc-per-node", "2", option, "c.yaml"])
+    assert main(["--log_dir=/tmp/x", "c.yaml"]) == 2
