@@ -19,6 +19,7 @@ from trainer import fault, host, logs, parallel, protocol, resume_rules, storage
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointStorageError,
     TrainState,
     step_dir,
 )
@@ -122,15 +123,18 @@ def train(cfg: Config) -> dict:
 # ---------------------------------------------------------------------- build
 def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
     """Rank 0 takes the leases on run.dir and the checkpoint directory for this job (trainer.lease);
-    every rank raises DirectoryInUse, naming the holder, when another live job holds one."""
+    every rank raises the same error when it cannot: DirectoryInUse, naming the holder, when another live
+    job holds one; CheckpointStorageError when the storage cannot be reached."""
     if not cfg.run.lease_s:
         return []
-    leases, refused = [], ""
+    leases, refused = [], None
     if info.is_main:
         try:
             for directory in dict.fromkeys([cfg.run.dir, cfg.checkpoint_dir]):
-                lease = Lease(directory, cfg.run.lease_s)
-                taken = lease.acquire()
+                where = f"checkpoint storage {directory}" if directory == cfg.checkpoint_dir else directory
+                with storage.unreachable_as(CheckpointStorageError, f"cannot reach {where}"):
+                    lease = Lease(directory, cfg.run.lease_s)
+                    taken = lease.acquire()
                 leases.append(lease)
                 if taken:
                     holder, why = taken
@@ -138,12 +142,16 @@ def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
                     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
                     protocol.append_event(cfg.run.dir, "lease_taken", directory=directory, job=holder.job,
                                           host=holder.host, pid=holder.pid, why=why)
-        except DirectoryInUse as e:
-            refused = str(e)
+        except (DirectoryInUse, CheckpointStorageError) as e:
+            refused = (type(e).__name__, str(e))
+        except Exception as e:  # noqa: BLE001 - said on every rank below (no rank left waiting)
+            refused = ("CheckpointError", f"taking the lease on {cfg.checkpoint_dir}: {type(e).__name__}: {e}")
     refused = parallel.broadcast_object(refused, info)
     if refused:
         release_leases(leases)
-        raise DirectoryInUse(refused)
+        kind, message = refused
+        raise {"DirectoryInUse": DirectoryInUse, "CheckpointStorageError": CheckpointStorageError}.get(
+            kind, CheckpointError)(message)
     return leases
 
 
