@@ -134,15 +134,11 @@ def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, d
             traceback_tail(cause.error))
 
 
-# Heartbeat phases in which a rank waits on the checkpoint storage: a hang there is a storage failure.
-STORAGE_PHASES = ("save", "preempt", "load")
-
-
 def from_hang(hang: Hang, checkpoint_dir: str = "") -> Failure:
-    """A hung rank as a failure (cause `storage`, naming `checkpoint_dir`, when it hung in a save or a
-    load). Its key names no pid or seconds: the same hang again is the same failure."""
+    """A hung rank as a failure (naming `checkpoint_dir` when it hung in a save: the rank's own bound on
+    the storage, storage.stall_s, had not fired). Its key names no pid or seconds: the same hang again
+    is the same failure."""
     message = hang.describe()
-    if hang.phase in STORAGE_PHASES and checkpoint_dir:
+    if hang.phase in ("save", "preempt") and checkpoint_dir:
         message += f" [checkpoint storage: {checkpoint_dir}]"
-    cause = "storage" if hang.phase in STORAGE_PHASES else "hang"
-    return Failure(hang.rank, cause, hang.step + 1, message=message, key=f"rank {hang.rank} {hang.state} {hang.phase}")
+    return Failure(hang.rank, "hang", hang.step + 1, message=message, key=f"rank {hang.rank} {hang.state} {hang.phase}")

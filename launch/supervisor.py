@@ -50,7 +50,8 @@ class Supervisor:
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
         lost = abandoned_progress(cfg.run.dir)  # a launcher of this node killed outright before this one
         self.heartbeat_dir = Path(tempfile.mkdtemp(prefix=heartbeat_prefix(), dir=cfg.run.dir))
-        self.watchdog = Watchdog(self.heartbeat_dir, f.hang_timeout_s)
+        stall = cfg.storage.stall_s
+        self.watchdog = Watchdog(self.heartbeat_dir, f.hang_timeout_s, stall + 10.0 if stall else 0.0)
         self.agent: SupervisedAgent | None = None  # created by run()
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
         self.preempt_at: float | None = None  # set by the signal handler (main thread)
@@ -149,7 +150,8 @@ class Supervisor:
         pids = set(self.agent.worker_pids().values())
         self.agent.terminate(pids - self._signalled)
         self._signalled |= pids
-        if self._hard_stop or now > self.preempt_at + self.cfg.fault.preempt_grace_s:
+        grace = self.cfg.fault.preempt_grace_s
+        if self._hard_stop or now > self.preempt_at + grace - min(5.0, 0.2 * grace):  # a reserve to finish in
             self.agent.kill()
 
     # ------------------------------------------------------------------ main thread
@@ -169,6 +171,9 @@ class Supervisor:
         thread.start()
         try:
             self._wait_for(thread)
+            beats = self.watchdog.beats(self.attempt)  # the last word of this node's ranks, for the outcome
+            if beats:
+                self._observe(beats[min(beats)])
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -228,16 +233,16 @@ class Supervisor:
 
     def _preempted_outcome(self) -> tuple[int, str]:
         """EXIT_PREEMPTED (launch again to resume: Slurm's requeue) when the run's state is safe in a
-        committed checkpoint: the ranks committed their emergency checkpoint, or nothing was trained since
-        the last commit (the signal came during a rendezvous, a backoff or a start-up). EXIT_FAILED,
-        saying so, when trained steps could not be committed within the grace period."""
-        # The store is asked within what is left of the grace period (at least a few seconds).
-        left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time(), 3.0)
+        committed checkpoint: the newest commit holds every step trained (the emergency checkpoint), or
+        the running group trained nothing (the signal came during a rendezvous, a backoff, a start-up or a
+        resume). EXIT_FAILED, saying so, when trained steps could not be committed within the grace period."""
+        left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time(), 1.0)  # what is left of it
         newest = newest_commit(self.cfg.checkpoint_dir, left)
-        if newest is not None and newest[1] >= self.preempt_at:
+        attempt = self.ledger.attempts[-1] if self.ledger.attempts else None
+        trained = attempt.last_step if attempt else 0
+        if newest is not None and (newest[0] >= trained or newest[1] >= self.preempt_at):
             return EXIT_PREEMPTED, "preempted"
-        trained = self._last_step()
-        if (newest is not None and newest[0] >= trained) or not self._ranks_at_signal:
+        if not self._ranks_at_signal or attempt is None or attempt.steps_run == 0:
             return EXIT_PREEMPTED, "preempted (nothing was trained since the last commit)"
         return EXIT_FAILED, (f"preempted, but no emergency checkpoint of step {trained} was committed within "
                              f"fault.preempt_grace_s={self.cfg.fault.preempt_grace_s:g}s: the next launch resumes "

@@ -35,6 +35,8 @@ class Hang:
                 f"after step {self.step}")
 
 
+SAVE_PHASES = ("save", "preempt")  # a rank writing a checkpoint
+
 # Heartbeat phases that name where a rank was stuck; a storage that stops answering shows up in a save.
 PHASES = {"save": " while saving a checkpoint (is the checkpoint storage answering?)",
           "preempt": " while saving its emergency checkpoint (is the checkpoint storage answering?)",
@@ -44,9 +46,12 @@ PHASES = {"save": " while saving a checkpoint (is the checkpoint storage answeri
 class Watchdog:
     """Per-node hang detector over a heartbeat directory (one file per local rank)."""
 
-    def __init__(self, directory: str | Path, hang_timeout_s: float) -> None:
+    def __init__(self, directory: str | Path, hang_timeout_s: float, save_timeout_s: float = 0.0) -> None:
         self.directory = Path(directory)
         self.hang_timeout_s = hang_timeout_s
+        # A rank in a checkpoint save bounds its own wait on the storage (storage.stall_s) and says which
+        # URL stalled: the watchdog gives it that long (and a margin) before calling it a hang.
+        self.save_timeout_s = max(hang_timeout_s, save_timeout_s)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._cpu: dict[int, tuple[float, int]] = {}  # pid -> (time, cpu ticks) at the previous check
 
@@ -66,12 +71,12 @@ class Watchdog:
         beats = self.beats(attempt)
         armed = [b for b in beats.values() if b.get("t_first")]
         hangs = []
-        if any(now - b["t"] > self.hang_timeout_s for b in armed):
+        if any(now - b["t"] > self._limit(b.get("phase", "train")) for b in armed):
             # A stopped rank (SIGSTOP, a debugger) is the culprit even when its last step ended a moment
             # after the overdue rank's: that rank waits for it in the next collective.
             hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now),
                           phase=b.get("phase", "train")) for b in armed]
-            hangs = [h for h in hangs if h.stale_s > self.hang_timeout_s or h.state == "stopped"]
+            hangs = [h for h in hangs if h.stale_s > self._limit(h.phase) or h.state == "stopped"]
         for b in beats.values():  # CPU time sampled about once a second tells spinning from waiting
             stat = proc_stat(b["pid"])
             if stat and now - self._cpu.get(b["pid"], (0.0, 0))[0] >= 1.0:
@@ -80,6 +85,9 @@ class Watchdog:
             return None
         order = {"stopped": 0, "spinning": 1, "gone": 2, "waiting": 3}
         return min(hangs, key=lambda h: (order[h.state], -h.cpu, h.step, h.rank))
+
+    def _limit(self, phase: str) -> float:
+        return self.save_timeout_s if phase in SAVE_PHASES else self.hang_timeout_s
 
     def _state(self, pid: int, now: float) -> tuple[str, float]:
         """(state, recent CPU use as a fraction of one core). A rank waiting in a collective sleeps

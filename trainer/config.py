@@ -109,7 +109,8 @@ class FaultConfig:
     heartbeat_s: float = setting(0.5, "how often the launcher's watchdog reads the ranks' heartbeats", gt=0)
     hang_timeout_s: float = setting(60.0, "no step finished for this long (after the first step) = a hung rank",
                                     gt=0)
-    preempt_grace_s: float = setting(30.0, "SIGTERM: the emergency checkpoint must be committed within this", gt=0)
+    preempt_grace_s: float = setting(30.0, "SIGTERM: the launcher ends within this; its ranks commit an emergency "
+                                     "checkpoint within it less a reserve (20%, at most 5 s)", gt=0)
     collective_timeout_s: float = setting(120.0, "collective timeout after the first step (dist.timeout_s before it)",
                                           ge=0)
     max_restarts: int = setting(10, "launcher restart budget (--max-restarts overrides)", ge=0)
@@ -125,8 +126,9 @@ class StorageConfig:
 
     timeout_s: float = setting(30.0, "object storage: connect and read timeout of one request (s3fs/botocore)",
                                gt=0)
-    stall_s: float = setting(300.0, "a checkpoint save or load, or a wait for training data, that takes longer is a "
-                             "stalled storage: the rank says which URL and exits 4; 0 = unbounded", ge=0)
+    stall_s: float = setting(90.0, "a checkpoint save or load, the dataset open or a wait for training data that "
+                             "takes longer is stalled storage: the rank names the URL and exits 4; 0 = unbounded. "
+                             "Keep it below fault.collective_timeout_s, which its peers wait in a save", ge=0)
 
 
 @dataclass

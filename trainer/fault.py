@@ -29,21 +29,32 @@ class Preempted(Exception):  # noqa: N818 - a request, not an error
         self.step = step
 
 
-def storage_stalled(message: str) -> None:
-    """A storage operation stalled past `storage.stall_s` (called from trainer.storage.StallWatch's
-    thread, while the blocked call cannot be interrupted): say so in one line, leave it in torchelastic's
-    error file for the launcher's ledger (cause: storage), and end this rank with EXIT_STORAGE now."""
+def stop_now(message: str, code: int, error: type[Exception] = RuntimeError) -> None:
+    """End this rank at once from any thread (the one that would raise is blocked, or is not this one):
+    say `message` in one line, leave it in torchelastic's error file for the launcher's ledger, exit `code`."""
     import sys
 
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    from trainer.storage import StorageStalled
-
     print(f"error: {message}", file=sys.stderr, flush=True)
     try:
-        ErrorHandler().record_exception(StorageStalled(message))
+        ErrorHandler().record_exception(error(message))
     finally:
-        os._exit(protocol.EXIT_STORAGE)
+        os._exit(code)
+
+
+def storage_stalled(message: str) -> None:
+    """A storage operation stalled past `storage.stall_s` (trainer.storage.StallWatch): EXIT_STORAGE."""
+    from trainer.storage import StorageStalled
+
+    stop_now(message, protocol.EXIT_STORAGE, StorageStalled)
+
+
+def lease_lost(message: str) -> None:
+    """Another job took over this run's directory (trainer.lease): stop before both write to it."""
+    from trainer.lease import DirectoryInUse
+
+    stop_now(message, protocol.EXIT_USAGE, DirectoryInUse)
 
 
 def die_with_launcher() -> None:

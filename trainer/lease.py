@@ -1,14 +1,15 @@
 """One job per directory: rank 0 holds a lease, `LEASE.json`, on the run directory and on the
 checkpoint directory (local or object storage) for the whole run, and renews it every `ttl/3`
-seconds. A job finds a lease held by another job and refuses to start (`DirectoryInUse`, exit 2),
-naming the holder's host, pid and start time, unless the lease is stale: its holder is dead (same host,
-the pid gone or another process) or has not renewed it for `ttl` seconds. Then the job takes it over,
-and says so (the caller records a `lease_taken` event). The ranks of one job, over its restarts, share
-a lease: its job id is the launcher's ($REKINDLE_JOB), torchrun's run id, or this process.
+seconds. A job that finds a lease held by another job refuses to start (`DirectoryInUse`, exit 2),
+naming the holder's host, pid and start time, unless the holder is gone: on this host, its process is
+dead; on another host, the lease is not renewed while this job watches it for `ttl` seconds (no clocks
+of two machines are compared). Then the job takes the lease over and says so (the caller records a
+`lease_taken` event). The ranks of one job, over its restarts, share a lease: its job id is the
+launcher's ($REKINDLE_JOB), torchrun's run id, or this process.
 
-Object stores have no lock: two jobs that start within the same second could both write a lease. The
-later write wins and the earlier job sees a holder other than itself when it reads the lease back after
-`SETTLE_S`, and refuses. Torch-free."""
+A new lease is created exclusively (a hard link locally, If-None-Match on S3), so two jobs that start
+together cannot both get it. Each renewal first reads the lease: a holder that finds another job's
+lease there (it was taken over while this one was silent) stops the run (`on_lost`). Torch-free."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from trainer import storage
@@ -53,25 +55,20 @@ class Holder:
         return (f"job {self.job}: pid {self.pid} on {self.host}, running since "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}")
 
-    def stale(self, ttl_s: float, now: float) -> str:
-        """Why this lease may be taken over ('' while its holder lives)."""
-        if self.host == socket.gethostname():
-            if not is_alive(self.pid) or abs(process_start_time(self.pid) - self.started) > 1.0:
-                return "its holder is dead"
-            return ""
-        if now - self.renewed > ttl_s:
-            return f"not renewed for {now - self.renewed:.0f}s (run.lease_s={ttl_s:g})"
-        return ""
+    def same_process(self, other: Holder) -> bool:
+        return (self.job, self.host, self.pid) == (other.job, other.host, other.pid)
 
 
 class Lease:
-    """The lease on one directory (a path or URL), held by this process for its job."""
+    """The lease on one directory (a path or URL), held by this process for its job. `on_lost(message)`
+    is called (from the renewal thread) if another job holds the lease at a renewal."""
 
-    def __init__(self, directory: str, ttl_s: float) -> None:
-        self.directory, self.ttl_s = directory, ttl_s
+    def __init__(self, directory: str, ttl_s: float, on_lost: Callable[[str], None] | None = None) -> None:
+        self.directory, self.ttl_s, self.on_lost = directory, ttl_s, on_lost
         self.url = storage.join(directory, LEASE)
         self.holder = Holder(job_id())
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # one write at a time; none after release
         self._thread: threading.Thread | None = None
 
     def _read(self) -> Holder | None:
@@ -84,50 +81,105 @@ class Lease:
         except (ValueError, KeyError, TypeError):  # a torn or foreign file: nobody holds it
             return None
 
-    def _write(self) -> None:
+    def _record(self) -> bytes:
         self.holder.renewed = time.time()
+        return json.dumps(asdict(self.holder)).encode()
+
+    def _write(self) -> None:
+        fs, p = storage.filesystem(self.url)
+        storage.write_file(fs, p, self._record())
+
+    def _create(self) -> bool:
+        """Write the lease only if there is none (atomically); whether this process created it."""
         fs, p = storage.filesystem(self.url)
         fs.makedirs(storage.filesystem(self.directory)[1], exist_ok=True)
-        storage.write_file(fs, p, json.dumps(asdict(self.holder)).encode())
+        if not storage.is_local(fs):
+            try:
+                fs.pipe_file(p, self._record(), mode="create")  # If-None-Match: *
+            except FileExistsError:
+                return False
+            return True
+        path = storage.local_path(p)
+        tmp = f"{path}.new-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(self._record())
+        try:
+            os.link(tmp, path)  # fails if a lease exists: two creators cannot both succeed
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
+
+    def _gone(self, holder: Holder) -> str:
+        """Why `holder` (another job's) no longer holds the lease, or '' while it does."""
+        if holder.host == socket.gethostname():
+            if not is_alive(holder.pid) or abs(process_start_time(holder.pid) - holder.started) > 1.0:
+                return "its holder is dead"
+            return ""
+        deadline = time.monotonic() + self.ttl_s  # another host: alive only if it renews while we watch
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, self.ttl_s / 10))
+            now = self._read()
+            if now is None:
+                return "its holder released it"
+            if not now.same_process(holder) or now.renewed != holder.renewed:
+                return ""
+        return f"not renewed for {self.ttl_s:g}s (run.lease_s)"
 
     def acquire(self) -> tuple[Holder, str] | None:
-        """Hold the lease and keep renewing it. Returns (previous holder, why) when a stale lease of another
-        job was taken over, else None. Raises DirectoryInUse when a live job of another id holds it."""
+        """Hold the lease and keep renewing it. Returns (previous holder, why) when another job's lease
+        was taken over, else None. Raises DirectoryInUse when another job holds it."""
         previous = self._read()
         taken = None
-        if previous is not None and previous.job != self.holder.job:
-            why = previous.stale(self.ttl_s, time.time())
+        if previous is None:
+            if not self._create():
+                previous = self._read()  # another job created it just now
+                if previous is not None and previous.job != self.holder.job:
+                    raise DirectoryInUse(self._in_use(previous))
+                self._write()
+        elif previous.job == self.holder.job:
+            self._write()  # a restart of this job
+        else:
+            why = self._gone(previous)
             if not why:
-                raise DirectoryInUse(self._in_use(previous))
+                raise DirectoryInUse(self._in_use(self._read() or previous))
             taken = (previous, why)
-        self._write()
-        if previous is None or previous.job != self.holder.job:  # (a restart of this job: nobody to race)
-            time.sleep(SETTLE_S)
+            self._write()
+            time.sleep(SETTLE_S)  # two jobs taking over the same dead lease: the later write wins
             now = self._read()
-            if now is not None and now.job != self.holder.job:  # another job wrote it at the same time, and won
+            if now is not None and not now.same_process(self.holder):
                 raise DirectoryInUse(self._in_use(now))
         self._thread = threading.Thread(target=self._renew, name="lease-renewal", daemon=True)
         self._thread.start()
         return taken
 
     def _in_use(self, holder: Holder) -> str:
-        return (f"{self.directory} is in use by another job ({holder.describe()}; renewed "
-                f"{time.time() - holder.renewed:.0f}s ago): stop it, or give this run another run.dir / "
-                f"checkpoint.dir; a lease not renewed for run.lease_s={self.ttl_s:g}s is taken over")
+        return (f"{self.directory} is in use by another job ({holder.describe()}): stop it, or give this run "
+                f"another run.dir / checkpoint.dir; a lease its holder stops renewing for run.lease_s="
+                f"{self.ttl_s:g}s is taken over")
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self._write()
+                now = self._read()
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    if now is not None and now.job != self.holder.job:
+                        if self.on_lost is not None:
+                            self.on_lost(f"lost the lease on {self.directory} to another job ({now.describe()}): "
+                                         "this job was silent for longer than run.lease_s; stopping")
+                        return
+                    self._write()
             except Exception:  # noqa: BLE001 - storage trouble is the save's to report; try again next time
                 continue
 
     def release(self) -> None:
-        """Stop renewing and remove the lease if it is still this job's (a clean end of the run)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        """Stop renewing and remove the lease if this very process still holds it (a clean end)."""
+        with self._lock:
+            self._stop.set()
         holder = self._read()
-        if holder is not None and holder.job == self.holder.job:
+        if holder is not None and holder.same_process(self.holder):
             fs, p = storage.filesystem(self.url)
             fs.rm_file(p)

@@ -5,6 +5,7 @@ when it acts (the evaluator, the metrics log, the checkpointer); teardown happen
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -112,8 +113,7 @@ def train(cfg: Config) -> dict:
             if run is not None:
                 release(run, clean=False)  # a no-op after finish() or an emergency checkpoint
         finally:
-            with stalls.guard("releasing the leases", cfg.checkpoint_dir):
-                release_leases(leases)
+            release_leases(leases)
             stalls.close()
             preemption.close()
             heartbeat.close()
@@ -133,7 +133,7 @@ def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
             for directory in dict.fromkeys([cfg.run.dir, cfg.checkpoint_dir]):
                 where = f"checkpoint storage {directory}" if directory == cfg.checkpoint_dir else directory
                 with storage.unreachable_as(CheckpointStorageError, f"cannot reach {where}"):
-                    lease = Lease(directory, cfg.run.lease_s)
+                    lease = Lease(directory, cfg.run.lease_s, on_lost=fault.lease_lost)
                     taken = lease.acquire()
                 leases.append(lease)
                 if taken:
@@ -155,12 +155,22 @@ def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
     return leases
 
 
-def release_leases(leases: list[Lease]) -> None:
-    for lease in leases:
-        try:
-            lease.release()
-        except Exception as e:  # noqa: BLE001 - a lease left behind is taken over by the next job
-            log.warning("could not release the lease %s: %s: %s", lease.url, type(e).__name__, e)
+def release_leases(leases: list[Lease], timeout_s: float = 10.0) -> None:
+    """Remove this job's leases (best effort, bounded: storage that stopped answering must not keep the
+    run from ending; a lease left behind is taken over by the next job)."""
+    def release() -> None:
+        for lease in leases:
+            try:
+                lease.release()
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not release the lease %s: %s: %s", lease.url, type(e).__name__, e)
+
+    if leases:
+        releasing = threading.Thread(target=release, name="lease-release", daemon=True)
+        releasing.start()
+        releasing.join(timeout_s)
+        if releasing.is_alive():
+            log.warning("the leases were not released within %.0fs: the next job takes them over", timeout_s)
 
 
 def open_dataset(cfg: Config, info: parallel.DistInfo, stalls: storage.StallWatch) -> ShardSet:
@@ -190,8 +200,10 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
     shards = open_dataset(cfg, info, stalls)
     stream = TokenStream(shards, cfg.model.seq_len, t.global_batch, cfg.data.seed, info.rank, info.world,
                          cfg.data.val_fraction)
-    loader = BatchLoader(stream, cfg.data.num_workers,
-                         with_positions=cfg.data.reset_positions or cfg.data.mask_boundary_loss)
+    stall = cfg.storage.stall_s  # the stall watch names a storage that stopped answering; the loader's own
+    loader = BatchLoader(stream, cfg.data.num_workers,  # timeout (lost workers) comes after it
+                         with_positions=cfg.data.reset_positions or cfg.data.mask_boundary_loss,
+                         timeout_s=stall + 30.0 if stall else 0.0)
     entropy = shards.manifest.stats.get("unigram_entropy_nats", float("nan"))
     log.info("data %s: %s tokens, %s train / %s held-out samples, unigram entropy %.3f nats",
              shards.root, f"{len(shards):,}", f"{stream.n_train:,}", f"{stream.n_val:,}", entropy)

@@ -72,14 +72,18 @@ def bound_requests(timeout_s: float) -> None:
 
 def caused_by_storage(e: BaseException) -> BaseException | None:
     """The error in `e`'s chain (itself, its causes) that an object store's client raised (a refused or
-    timed-out connection, a throttled endpoint), or a stall: storage that may come back. None otherwise
-    (a missing file, a local disk error, a bug)."""
-    seen: set[int] = set()
+    timed-out connection, a throttled endpoint), or a stall: storage that may come back. None otherwise,
+    and for a chain that holds a missing file or a refused permission (no retry makes those appear)."""
+    chain, seen = [], set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, StorageUnavailable) or type(e).__module__.split(".")[0] in (*STORE_CLIENTS, "fsspec"):
-            return e
-        e = e.__cause__ or e.__context__
+        chain.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    if any(isinstance(link, (FileNotFoundError, PermissionError)) for link in chain):
+        return None
+    for link in chain:
+        if isinstance(link, StorageUnavailable) or type(link).__module__.split(".")[0] in (*STORE_CLIENTS, "fsspec"):
+            return link
     return None
 
 

@@ -138,7 +138,12 @@ def test_storage_failures_back_off_past_the_crash_loop_rule_and_end_with_exit_4(
     assert decisions[-1].exit_code == EXIT_STORAGE and "restart budget spent" in decisions[-1].reason
 
 
-def test_a_hang_while_saving_is_a_storage_failure_naming_the_checkpoint_store():
+def test_a_hang_while_saving_names_the_checkpoint_store_and_waits_for_the_ranks_own_bound(tmp_path):
     hang = failures.from_hang(Hang(rank=0, pid=7, step=19, stale_s=61.0, state="waiting", phase="save"), "s3://b/ck")
-    assert hang.cause == "storage" and "while saving a checkpoint" in hang.message and "s3://b/ck" in hang.message
-    assert failures.from_hang(Hang(rank=0, pid=7, step=19, stale_s=61.0, state="waiting")).cause == "hang"
+    assert hang.cause == "hang" and "while saving a checkpoint" in hang.message and "s3://b/ck" in hang.message
+    # The watchdog gives a rank in a save storage.stall_s (+ margin) before calling it hung: the rank's
+    # own bound fires first, and names the URL (exit 4, cause storage).
+    from launch.watchdog import Watchdog
+
+    dog = Watchdog(tmp_path, hang_timeout_s=10, save_timeout_s=100)
+    assert (dog._limit("train"), dog._limit("save"), dog._limit("preempt"), dog._limit("eval")) == (10, 100, 100, 10)

@@ -44,6 +44,25 @@ def test_storage_errors_are_told_from_bad_input_and_bugs():
     assert storage.caused_by_storage(storage.StorageStalled("stalled")) is not None
     for other in (FileNotFoundError("s3://b/x"), CheckpointError("corrupt"), ValueError("bug")):
         assert storage.caused_by_storage(other) is None
+    # s3fs turns NoSuchKey / AccessDenied into FileNotFoundError / PermissionError caused by botocore's
+    # error: a missing object or refused credentials are not storage that may come back.
+    from botocore.exceptions import ClientError
+
+    for translated in (FileNotFoundError, PermissionError):
+        try:
+            try:
+                raise translated("s3://b/x") from ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
+            except OSError as e:
+                raise CheckpointError("cannot read s3://b/x") from e
+        except CheckpointError as e:
+            assert storage.caused_by_storage(e) is None, translated
+    try:
+        try:
+            raise refused
+        except EndpointConnectionError:
+            raise CheckpointError("corrupt") from None  # the context is suppressed: not a storage error
+    except CheckpointError as e:
+        assert storage.caused_by_storage(e) is None
 
 
 def test_requests_get_timeouts_unless_the_user_set_their_own(monkeypatch):

@@ -163,12 +163,13 @@ class Checkpointer:
             self._pending = _PendingSave(state, path, future, required)
             self._save_s = time.perf_counter() - start
             return path
-        error = ""
+        error, unavailable = "", False
         try:
             files = self._write(sd, path, injected, None)
         except SAVE_ERRORS as e:  # reported collectively below, then raised on every rank
             error, files = shard_format.describe_error(e, self.info.rank), {}
-        committed = self._commit(state, path, files, error, required)
+            unavailable = storage.caused_by_storage(e) is not None
+        committed = self._commit(state, path, files, error, required, unavailable)
         self._save_s = time.perf_counter() - start
         return path if committed else None
 
@@ -207,26 +208,31 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
         try:
-            files, error = pending.future.result(), ""
+            files, error, unavailable = pending.future.result(), "", False
         except SAVE_ERRORS as e:
             files, error = {}, f"background save failed: {shard_format.describe_error(e, self.info.rank)}"
-        self._commit(pending.state, pending.path, files, error, pending.required)
+            unavailable = storage.caused_by_storage(e) is not None
+        self._commit(pending.state, pending.path, files, error, pending.required, unavailable)
 
-    def _commit(self, state: TrainState, path: str, files: dict, error: str, required: bool = True) -> bool:
-        """Agree that every rank wrote its shards, then rank 0 commits; an error reaches every rank."""
-        results = self._all.gather((error, files))
-        errors = list(dict.fromkeys(e for e, _ in results if e))  # a DCP error reaches every rank: say it once
+    def _commit(self, state: TrainState, path: str, files: dict, error: str, required: bool = True,
+                unavailable: bool = False) -> bool:
+        """Agree that every rank wrote its shards, then rank 0 commits; an error reaches every rank (as
+        CheckpointStorageError when some rank could not use the storage: it may come back)."""
+        results = self._all.gather((error, files, unavailable))
+        errors = list(dict.fromkeys(e for e, _, _ in results if e))  # a DCP error reaches every rank: say it once
+        unavailable = any(u for _, _, u in results)
         if not errors and self.info.is_main:
             fault.crash_point("commit", state.step, self.info.rank)
             try:
                 with self._stalls.guard("committing a checkpoint", path):
-                    commit.write_commit(self.root, path, state, {k: v for _, f in results for k, v in f.items()},
+                    commit.write_commit(self.root, path, state, {k: v for _, f, _ in results for k, v in f.items()},
                                         self.info.world)
             except Exception as e:  # noqa: BLE001
                 errors.append(f"rank 0: committing failed: {type(e).__name__}: {e}")
+                unavailable = storage.caused_by_storage(e) is not None
             else:
                 self._after_commit(state.step)
-        errors = self._all.broadcast(errors)
+        errors, unavailable = self._all.broadcast((errors, unavailable))
         if not errors:
             self.failed_in_a_row = 0
             return True
@@ -234,7 +240,7 @@ class Checkpointer:
         self.failed_in_a_row += 1
         if required or self.failed_in_a_row > self.max_failed_saves:
             log.error("%s", message)  # on every rank (the others say which rank they are)
-            raise CheckpointError(message)
+            raise (CheckpointStorageError if unavailable else CheckpointError)(message)
         log.warning("%s (%d of %d failed saves in a row allowed; training goes on from the previous commit)",
                     message, self.failed_in_a_row, self.max_failed_saves)
         if self.info.is_main:
