@@ -34,14 +34,17 @@ def test_mfu_peak_of_known_gpus_by_device_name(name, key, tflops):
 
 def test_measured_matmul_peak_counts_the_flops_of_the_products_it_times():
     """The peak MFU is measured against: 2 n^3 FLOPs per n x n product, on the device asked for.
-    Checked against a plain timing of the same products (a factor-3 band: the machine is shared)."""
-    n, reps = 256, 200
+    Checked against a plain timing of the same products, the best of several windows as the peak is
+    (a factor-3 band: the machine is shared, e.g. with the other test worker)."""
+    n, reps = 256, 40
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    plain = 2 * n**3 * reps / (time.perf_counter() - start)
+    plain = 0.0
+    for _ in range(8):
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        plain = max(plain, 2 * n**3 * reps / (time.perf_counter() - start))
     peak = measure_matmul_peak(seconds=0.2, n=n, windows=4, device="cpu")
     assert plain / 3 < peak < plain * 3
     assert measure_matmul_peak(seconds=0.02, n=64, dtype=torch.bfloat16, windows=1) > 0

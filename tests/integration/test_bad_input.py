@@ -1,0 +1,41 @@
+"""Bad input that no restart can fix, under the launcher and the exporter: a data path that does not
+exist, a manifest that is not UTF-8, an export of an empty directory. Each is one `error:` line and
+exit code 2, and the launcher does not restart the ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import REPO, child_env
+from tests.integration.test_launch_faults import finish, launch
+from trainer.protocol import read_events
+
+
+def test_bad_input_is_one_line_exit_2_and_never_restarted(cache_dir, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "manifest.json").write_bytes(b"\xff\xfe not a manifest \x80")
+    cases = {
+        f"data.path={tmp_path / 'nowhere'}": f"the data path {tmp_path / 'nowhere'} does not exist",
+        f"data.path={corrupt}": "manifest.json",
+    }
+    for n, (override, why) in enumerate(cases.items()):
+        run_dir = tmp_path / f"run{n}"
+        proc = launch(run_dir, [override, "train.steps=4"], nproc=1)
+        out = finish(proc, timeout=120)
+        assert proc.returncode == 2, out[-3000:]
+        assert "Traceback" not in out and out.count("worker(s) started") == 1, out[-3000:]
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and why in errors[0], errors
+        events = read_events(run_dir)
+        assert not [e for e in events if e["event"] == "restart"] and events[-1]["exit_code"] == 2
+        assert "restarting cannot fix it" in events[-1]["outcome"] or events[-1]["outcome"].startswith("rank 0")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export = subprocess.run([sys.executable, "-m", "trainer.export", str(empty), str(tmp_path / "out.safetensors")],
+                            cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert export.returncode == 2 and "Traceback" not in export.stderr
+    assert [line for line in export.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: no committed checkpoint in {empty}"]
