@@ -151,7 +151,7 @@ class Supervisor:
         self.agent.terminate(pids - self._signalled)
         self._signalled |= pids
         grace = self.cfg.fault.preempt_grace_s
-        if self._hard_stop or now > self.preempt_at + grace - min(5.0, 0.2 * grace):  # a reserve to finish in
+        if self._hard_stop or now > self.preempt_at + grace - min(5.0, 0.25 * grace):  # a reserve to finish in
             self.agent.kill()
 
     # ------------------------------------------------------------------ main thread
@@ -203,8 +203,11 @@ class Supervisor:
                 continue
             # Signalled, and no rank is running: the agent is in a rendezvous, a backoff or the exit
             # barrier, where nothing acts on the signal (for up to join_timeout). Stop here.
-            idle_since = idle_since or time.time()
-            if self._hard_stop or time.time() - idle_since > 2.0:
+            now = time.time()
+            idle_since = idle_since or now
+            # Idle for 2 s, or less once the end of the grace period nears (a second is kept for the outcome).
+            patience = min(2.0, max(0.0, self.preempt_at + self.cfg.fault.preempt_grace_s - 1.0 - now))
+            if self._hard_stop or now - idle_since >= patience:
                 log.info("no worker group is running: stopping now")
                 return
 
@@ -236,7 +239,7 @@ class Supervisor:
         committed checkpoint: the newest commit holds every step trained (the emergency checkpoint), or
         the running group trained nothing (the signal came during a rendezvous, a backoff, a start-up or a
         resume). EXIT_FAILED, saying so, when trained steps could not be committed within the grace period."""
-        left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time(), 1.0)  # what is left of it
+        left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time() - 0.2, 0.5)  # what is left
         newest = newest_commit(self.cfg.checkpoint_dir, left)
         attempt = self.ledger.attempts[-1] if self.ledger.attempts else None
         trained = attempt.last_step if attempt else 0
@@ -266,12 +269,12 @@ def newest_commit(root: str, timeout_s: float) -> tuple[int, float] | None:
     one exits may be killed), and rank 0's `commit` events are in its own run.dir, which on another
     node's pod this launcher does not see. None when there is none, or the store does not answer within
     `timeout_s` (a preempted launcher must exit within its grace period)."""
-    from trainer.checkpoint.commit import committed_steps, read_commit, step_dir
-
     answer: list[tuple[int, float] | None] = []
 
     def ask() -> None:
         try:
+            from trainer.checkpoint.commit import committed_steps, read_commit, step_dir  # (torch: within the bound)
+
             steps = committed_steps(root)
             answer.append((steps[-1], read_commit(step_dir(root, steps[-1]))["time"]) if steps else None)
         except Exception as e:  # noqa: BLE001 - unreadable store: say so, and count it as not committed

@@ -110,7 +110,7 @@ class FaultConfig:
     hang_timeout_s: float = setting(60.0, "no step finished for this long (after the first step) = a hung rank",
                                     gt=0)
     preempt_grace_s: float = setting(30.0, "SIGTERM: the launcher ends within this; its ranks commit an emergency "
-                                     "checkpoint within it less a reserve (20%, at most 5 s)", gt=0)
+                                     "checkpoint within it less a reserve (25%, at most 5 s)", gt=0)
     collective_timeout_s: float = setting(120.0, "collective timeout after the first step (dist.timeout_s before it)",
                                           ge=0)
     max_restarts: int = setting(10, "launcher restart budget (--max-restarts overrides)", ge=0)

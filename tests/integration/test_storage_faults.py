@@ -28,14 +28,16 @@ def wait_for(what: str, check, timeout: float) -> float:
 
 
 def sigterm_exit(proc, run_dir) -> int:
-    """SIGTERM to the launcher: it must end within the grace period (8 s) and a few seconds, writing
-    its `done` record; returns its exit code."""
+    """SIGTERM to the launcher: it must end within the grace period (8 s; a margin for this machine's
+    load), writing its `done` record; returns its exit code."""
     os.kill(proc.pid, signal.SIGTERM)
     signalled = time.monotonic()
     out = finish(proc, timeout=60)
-    assert time.monotonic() - signalled < 8 + 10, out[-3000:]
-    done = read_events(run_dir)[-1]
+    assert time.monotonic() - signalled < 8 + 4, out[-3000:]
+    events = read_events(run_dir)
+    done, preempt = events[-1], next(e for e in reversed(events) if e["event"] == "preempt")
     assert done["event"] == "done" and done["exit_code"] == proc.returncode, (done, out[-3000:])
+    assert done["time"] - preempt["time"] < 8.5, (preempt, done)  # the launcher's own clock: signal to done
     return proc.returncode
 
 
