@@ -119,13 +119,14 @@ class Ledger:
         }
 
     def done(self, exit_code: int, outcome: str, devices: int = 1, tokens_per_step: int = 0,
-             price: float = 0.0) -> dict:
-        """Write the `done` event: the summary, plus what this node cost when `price` (per device-hour) is set."""
+             price: float = 0.0, **extra: Any) -> dict:
+        """Write the `done` event: the summary, plus what this node cost when `price` (per device-hour) is
+        set, and `extra` fields (a preempted launcher's `committed_step`)."""
         summary = self.summary()
         if price:
             summary["cost"] = cost_report(devices, summary["wall_s"], summary["steps_kept"] * tokens_per_step,
                                           summary["lost_s"], price)
-        self.event("done", exit_code=exit_code, outcome=outcome, **summary)
+        self.event("done", exit_code=exit_code, outcome=outcome, **summary, **extra)
         return summary
 
 

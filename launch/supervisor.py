@@ -56,6 +56,7 @@ class Supervisor:
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
         self.preempt_at: float | None = None  # set by the signal handler (main thread)
         self._ranks_at_signal = False  # whether a worker group was running when the signal came
+        self._committed_step: int | None = None  # the newest commit, once a preempted launcher asked the store
         self._hard_stop = False  # a second signal
         self._signalled: set[int] = set()  # ranks already sent SIGTERM
         self._decision: Decision | None = None  # the policy's, when it stopped restarting
@@ -241,6 +242,8 @@ class Supervisor:
         resume). EXIT_FAILED, saying so, when trained steps could not be committed within the grace period."""
         left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time() - 0.2, 0.5)  # what is left
         newest = newest_commit(self.cfg.checkpoint_dir, left)
+        if newest is not None:
+            self._committed_step = newest[0]  # the same on every node, whatever step its ranks had reached
         attempt = self.ledger.attempts[-1] if self.ledger.attempts else None
         trained = attempt.last_step if attempt else 0
         if newest is not None and (newest[0] >= trained or newest[1] >= self.preempt_at):
@@ -254,9 +257,10 @@ class Supervisor:
     def _finish(self) -> int:
         code, outcome = self._outcome()
         c = self.cfg
+        extra = {} if self._committed_step is None else {"committed_step": self._committed_step}
         summary = self.ledger.done(code, outcome, devices=self.opts.nproc_per_node,
                                    tokens_per_step=c.train.global_batch * c.model.seq_len,
-                                   price=c.log.cost_per_device_hour)
+                                   price=c.log.cost_per_device_hour, **extra)
         log.info(f"{outcome}: {format_summary(summary)} -> exit {code}")
         if "cost" in summary:
             log.info(f"this node: {format_cost(summary['cost'])}")

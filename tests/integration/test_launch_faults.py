@@ -163,6 +163,7 @@ def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_d
     assert commits and commits[-1] >= beat["step"], (commits, beat["step"])  # nothing finished is lost
     assert events[-1]["event"] == "done" and events[-1]["outcome"] == "preempted"
     assert events[-1]["final_step"] == commits[-1]  # the heartbeats are read to the end (steps not undercounted)
+    assert events[-1]["committed_step"] == commits[-1]
 
     again = launch(tmp_path, overrides)
     out = finish(again)
@@ -347,3 +348,6 @@ def test_preempted_node_without_rank_0_reports_its_emergency_checkpoint(cache_di
     assert [p.returncode for p in nodes] == [75, 75], outs[0][-2000:] + outs[1][-2000:]
     outcomes = [read_events(tmp_path / f"pod{i}")[-1]["outcome"] for i in range(2)]
     assert outcomes == ["preempted", "preempted"], outcomes
+    # Both nodes name the one step committed, whatever step each node's own ranks had reached.
+    committed = [read_events(tmp_path / f"pod{i}")[-1]["committed_step"] for i in range(2)]
+    assert committed[0] == committed[1] >= 5, committed
