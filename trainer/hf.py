@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save
 
+from data.tokenizer import EOS  # the default end of every document, and so also what precedes one
 from trainer import storage
 from trainer.checkpoint import IncompatibleCheckpointError
 from trainer.model_args import ModelArgs
@@ -33,7 +34,6 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
-EOS = "<|endoftext|>"  # data.tokenizer.EOS: the end of every document, and so also what precedes one
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
