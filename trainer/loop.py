@@ -143,15 +143,14 @@ def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
                     protocol.append_event(cfg.run.dir, "lease_taken", directory=directory, job=holder.job,
                                           host=holder.host, pid=holder.pid, why=why)
         except (DirectoryInUse, CheckpointStorageError) as e:
-            refused = (type(e).__name__, str(e))
+            refused = (type(e), str(e))
         except Exception as e:  # noqa: BLE001 - said on every rank below (no rank left waiting)
-            refused = ("CheckpointError", f"taking the lease on {cfg.checkpoint_dir}: {type(e).__name__}: {e}")
-    refused = parallel.broadcast_object(refused, info)
+            refused = (CheckpointError, f"taking the lease on {cfg.checkpoint_dir}: {type(e).__name__}: {e}")
+    refused = parallel.broadcast_object(refused, info)  # (the error class travels by name, as pickle does)
     if refused:
         release_leases(leases)
-        kind, message = refused
-        raise {"DirectoryInUse": DirectoryInUse, "CheckpointStorageError": CheckpointStorageError}.get(
-            kind, CheckpointError)(message)
+        error, message = refused
+        raise error(message)
     return leases
 
 
