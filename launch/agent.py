@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from launch.failures import RankExit
 from trainer.process import is_alive
+from trainer.torch_compat import check_elastic_agent
 
 SURVIVOR_GRACE_S = 5  # the most a failed group's survivors get to exit before SIGKILL (torchrun: 30)
 
@@ -85,6 +86,7 @@ class SupervisedAgent(LocalElasticAgent):
 
     def __init__(self, spec: WorkerSpec, hooks: Hooks, drain_grace_s: float) -> None:
         super().__init__(spec, DefaultLogsSpecs(), start_method="spawn", exit_barrier_timeout=60)
+        check_elastic_agent(self)  # what follows overrides and reads torchelastic's private members
         self.spec, self.hooks, self.drain_grace_s = spec, hooks, drain_grace_s
         self._victims: set[int] = set()  # local ranks still alive when the group was torn down
 

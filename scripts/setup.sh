@@ -23,7 +23,7 @@ fi
 if [ -n "${REKINDLE_TORCH:-}" ]; then
   torch_req="$REKINDLE_TORCH"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  torch_req="torch>=2.6,<2.15"   # GPU machine: the default (CUDA) build
+  torch_req="torch>=2.13"        # GPU machine: the default (CUDA) build
 else
   torch_req="torch==2.13.0"      # CPU machine: the CPU build
 fi

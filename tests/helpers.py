@@ -252,3 +252,47 @@ def upload(local: ShardSet, url: str) -> str:
     for f in sorted(Path(local.root).iterdir()):
         fs.pipe_file(f"{path}/{f.name}", f.read_bytes())
     return url
+
+
+# --- W&B offline runs -------------------------------------------------------------------------------
+
+
+def wandb_offline_env(tmp: Path) -> dict[str, str]:
+    """Environment for wandb offline: no network (no error reports either), no console capture, nothing
+    written outside `tmp`."""
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
+            "WANDB_CONSOLE": "off", "WANDB_DIR": str(tmp), "WANDB_CONFIG_DIR": str(tmp / "wandb-config"),
+            "WANDB_CACHE_DIR": str(tmp / "wandb-cache"), "WANDB_DATA_DIR": str(tmp / "wandb-data")}
+
+
+def wandb_offline_runs(run_dir: Path) -> list[tuple[str, list[tuple[int, dict]]]]:
+    """Each offline W&B run under run_dir/wandb/, in the order they started: (run id, history rows (step,
+    {key: value}), `_`-keys left out). Read from the run's transaction log `run-ID.wandb` (wandb 0.31 has no reader of
+    its own): a 7-byte header (`:W&B`, magic, version), then LevelDB's log format: 32 KiB blocks of
+    chunks, each a 7-byte header (CRC32C, length, type: 1 full, 2 first, 3 middle, 4 last) and a piece of
+    a serialized protobuf `Record`; a block's last < 7 bytes are padding."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    runs = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        data, pos, record, run, rows = path.read_bytes(), 7, b"", None, []
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            if (left := 32768 - pos % 32768) < 7:
+                pos += left
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            record = chunk if kind in (1, 2) else record + chunk
+            if kind not in (1, 4):
+                continue
+            r = wandb_internal_pb2.Record.FromString(record)
+            if r.HasField("run"):
+                run = r.run
+            elif r.HasField("history"):
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+                rows.append((r.history.step.num, {k: v for k, v in items.items() if not k.startswith("_")}))
+        runs.append((run.start_time.ToNanoseconds(), run.run_id, rows))
+    return [(run_id, rows) for _, run_id, rows in sorted(runs)]

@@ -22,9 +22,11 @@ def main(argv: list[str] | None = None) -> int:
         return protocol.EXIT_OK if argv else protocol.EXIT_USAGE
     # Imported here so that `--help` and config errors answer before torch loads.
     from trainer.config import ConfigError, load
+    from trainer.wandb_log import check_installed
 
     try:
         cfg = load(argv[0], argv[1:])
+        check_installed(cfg.log.wandb)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return protocol.EXIT_USAGE

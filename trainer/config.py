@@ -81,6 +81,9 @@ class CheckpointConfig:
     keep_every: int = setting(0, "also keep every n-th step forever; 0 = off", ge=0)
     # `async` is a Python keyword: the YAML key is `async`, the attribute `async_` (schema.yaml_key).
     async_: bool = setting(False, "write checkpoints in the background while training goes on")
+    format: str = setting("raw", "raw: each tensor's bytes (faster) | dcp: DCP's standard format, which stock "
+                          "torch.distributed.checkpoint tools read (dcp.load, dcp_to_torch_save)",
+                          choices=("raw", "dcp"))
     resume: str = setting("auto", "auto: from the newest commit if any | never | required: fail without one",
                           choices=("auto", "never", "required"))
     max_failed_saves: int = setting(3, "periodic saves in a row that may fail (disk full, storage refusing) while "
@@ -135,6 +138,11 @@ class StorageConfig:
 class LogConfig:
     progress: bool = setting(True, "show progress on the console (rank 0)")
     tensorboard: bool = setting(False, "scalars to run.dir/tb/ on rank 0 (needs the tensorboard package)")
+    wandb: bool = setting(False, "the same scalars to Weights & Biases from rank 0, files in run.dir/wandb/ "
+                          "(needs the wandb package: pip install 'rekindle[wandb]')")
+    wandb_project: str = setting("rekindle", "W&B project (the entity: WANDB_ENTITY or the login's default)")
+    wandb_mode: str = setting("auto", "online | offline (`wandb sync` uploads later) | auto = $WANDB_MODE, "
+                              "else online", choices=("auto", "online", "offline"))
     peak_tflops: float = setting(0.0, "per-device peak for MFU; 0 = known GPU table, or measured on CPU", ge=0)
     cost_per_device_hour: float = setting(
         0.0, "price of one device (GPU, or CPU process) per hour; 0 = no cost report", ge=0)

@@ -1,6 +1,9 @@
 """`python -m trainer.export CHECKPOINT OUT.safetensors`: consolidated model weights for inference;
 `python -m trainer.export CHECKPOINT OUT_DIR --format hf [--dtype bf16|fp32] [--tokenizer tokenizer.json]`:
-a Hugging Face model directory that `transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` loads.
+a Hugging Face model directory that `transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` loads;
+`python -m trainer.export CHECKPOINT OUT_DIR --format dcp`: the whole step (model, optimizer, train state)
+in DCP's standard format, which stock tools read (`dcp.load(sd, checkpoint_id=OUT_DIR)`,
+`format_utils.dcp_to_torch_save`), and a committed, checksummed rekindle step that training resumes from.
 
 CHECKPOINT is a step directory (`.../step-NNNNNNNN`) or a checkpoint root (then its newest committed
 step that verifies; a damaged newer step is skipped with a warning naming the file), a local path or
@@ -34,6 +37,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -49,7 +53,15 @@ from trainer.checkpoint import (
     step_dir,
     verify,
 )
-from trainer.checkpoint.format import CheckpointNotFoundError, load_metadata, load_state
+from trainer.checkpoint.commit import read_commit, write_commit
+from trainer.checkpoint.format import (
+    CheckpointNotFoundError,
+    load_metadata,
+    load_state,
+    quiet_single_process,
+    set_element,
+)
+from trainer.checkpoint.format import writer as shard_writer
 from trainer.config import Config, ConfigError
 from trainer.config import load as load_config
 from trainer.model_args import ModelArgs
@@ -60,7 +72,8 @@ log = logs.get_logger("export")
 USAGE = (
     "usage: python -m trainer.export CHECKPOINT OUT.safetensors  (CHECKPOINT: a step directory or a root)\n"
     "       python -m trainer.export CHECKPOINT OUT_DIR --format hf [--dtype bf16|fp32] [--tokenizer tokenizer.json "
-    "[--eos-token TOKEN]]"
+    "[--eos-token TOKEN]]\n"
+    "       python -m trainer.export CHECKPOINT OUT_DIR --format dcp  (the whole step in DCP's standard format)"
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -134,6 +147,39 @@ def export(checkpoint: str, out: str) -> dict:
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
     return {"source": path, "out": out, "step": state.get("step"), "tensors": len(weights), "tied": tied,
             "params": sum(t.numel() for t in weights.values()), "bytes": size, "dtypes": dtypes}
+
+
+def export_dcp(checkpoint: str, out: str) -> dict:
+    """Copy the verified step `checkpoint` to the new directory `out` in DCP's standard format (every
+    item: weights, optimizer state and hyper-parameters), with its train_state.json and a COMMIT.json of
+    the new files. Items are read with the safe reader (nothing is unpickled but plain data)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path = resolve(checkpoint)
+    fs, p = storage.filesystem(path)
+    out_fs, out_p = storage.filesystem(out)
+    if out_fs.exists(out_p) and (not out_fs.isdir(out_p) or out_fs.ls(out_p)):
+        raise FileExistsError(f"{out} exists and is not an empty directory: not overwritten")
+    metadata = load_metadata(fs.cat_file(f"{p}/.metadata"))
+    sd: dict = {}
+    for key, meta in metadata.state_dict_metadata.items():  # flat: the checkpoint's own item names
+        if isinstance(meta, TensorStorageMetadata):
+            sd[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        elif isinstance(meta, BytesStorageMetadata):
+            sd[key] = None  # replaced by the stored value
+    load_state(sd, path, no_dist=True)
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    nested: dict = {}
+    for key, value in sd.items():  # the nesting it was saved from ({"model": ..., "optim": ...}): same names
+        set_element(nested, tuple(paths.get(key, (key,))), value)
+    state = read_train_state(path)
+    w = shard_writer(out, fmt="dcp")
+    with quiet_single_process():
+        dcp.save(nested, storage_writer=w, no_dist=True)
+    write_commit(out, out, state, dict(w.digests), int(read_commit(path).get("world", state.world or 1)))
+    tensors = [t for t in sd.values() if torch.is_tensor(t)]
+    return {"source": path, "out": out, "step": state.step, "items": len(sd), "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors), "format": "dcp"}
 
 
 # ---------------------------------------------------------------------- --format hf
@@ -255,7 +301,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = _Parser(prog="python -m trainer.export", add_help=False, allow_abbrev=False)
     parser.add_argument("checkpoint")
     parser.add_argument("out")
-    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
+    parser.add_argument("--format", choices=("safetensors", "hf", "dcp"), default="safetensors")
     parser.add_argument("--dtype", choices=tuple(DTYPES))
     parser.add_argument("--tokenizer")
     parser.add_argument("--eos-token", default=None)
@@ -270,6 +316,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def say(info: dict) -> str:
     """The summary line of an export."""
     head = f"exported step {info['step']} of {info['source']} -> {info['out']}"
+    if info.get("format") == "dcp":
+        return (f"{head} (DCP standard format: {info['items']} items, {info['tensors']} tensors, "
+                f"{info['bytes'] / 1e6:.1f} MB; committed and checksummed)")
     if "files" not in info:
         tied = "".join(f"; {name} tied to {first} (stored once)" for name, first in info["tied"].items())
         return (f"{head}: {info['tensors']} tensors, {info['params']:,} parameters ({'/'.join(info['dtypes'])}), "
@@ -294,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.format == "hf":
             info = export_hf(opts.checkpoint, opts.out, opts.dtype or "fp32", opts.tokenizer, opts.eos_token or hf.EOS)
+        elif opts.format == "dcp":
+            info = export_dcp(opts.checkpoint, opts.out)
         else:
             info = export(opts.checkpoint, opts.out)
     except (UsageError, FileExistsError) as e:

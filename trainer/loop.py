@@ -16,7 +16,7 @@ from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
 from data.stream import TokenStream
-from trainer import fault, host, logs, parallel, protocol, resume_rules, storage
+from trainer import fault, host, logs, parallel, protocol, resume_rules, storage, wandb_log
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -229,7 +229,7 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
     on_commit = (lambda step: on_event("commit", step=step)) if on_event else None
     checkpointer = Checkpointer(cfg.checkpoint_dir, info, ck.keep, ck.keep_every, ck.async_, on_commit,
                                 every=ck.every, max_failed_saves=ck.max_failed_saves, on_event=on_event,
-                                stalls=stalls)
+                                stalls=stalls, fmt=ck.format)
     state = TrainState(world=info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model), config=cfg.to_dict())
     return Run(cfg, info, heartbeat, preemption, stalls, shards, loader, evaluator, model, optimizer, checkpointer,
                micro_batch, flops_per_token, peak, state)
@@ -268,7 +268,8 @@ def resume(run: Run) -> None:
 
     t = cfg.train
     run.metrics = MetricsLog(cfg.run.dir, t.steps, run.state.step, info.is_main, cfg.log.progress,
-                             cfg.log.tensorboard, t.log_every, t.eval_every)
+                             cfg.log.tensorboard, t.log_every, t.eval_every,
+                             wandb_log.start(cfg, run.state.step) if info.is_main else None)
     run.comm = parallel.CommTimer() if parallel.CommTimer.enabled_for(info) else None
     run.timer = StepTimer(info.device, run.comm)
     run.profiler = StepProfiler(cfg.profile.steps, cfg.run.dir, info.rank, info.device)
@@ -425,7 +426,8 @@ def release(run: Run, clean: bool = True) -> None:
     if run.closed:
         return
     run.closed = True
-    closers = [run.loader.close, lambda: run.checkpointer.close(wait=clean), run.metrics and run.metrics.close,
+    closers = [run.loader.close, lambda: run.checkpointer.close(wait=clean),
+               run.metrics and (lambda: run.metrics.close(clean)),
                run.comm and run.comm.close]
     for close in filter(None, closers):
         try:

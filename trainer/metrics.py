@@ -1,5 +1,6 @@
 """Step metrics: tokens/s, MFU, memory, where the step time goes (StepTimer, LogWindow); `metrics.jsonl`
-and TensorBoard scalars in the run directory; the progress display on rank 0."""
+and TensorBoard scalars in the run directory, the same scalars to W&B (trainer.wandb_log); the progress
+display on rank 0."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from trainer.protocol import append_jsonl
+
+if TYPE_CHECKING:
+    from trainer.wandb_log import WandbLog
 
 # Dense bf16 tensor-core peaks (FLOP/s) for GPUs we know; MFU is reported against these. Matched as
 # substrings of the device name in this order, so the PCIe/NVL variants (lower clocks and power) come
@@ -181,7 +186,7 @@ class LogWindow:
                **dict(zip(parts, means, strict=True))}
         return with_other(out)
 
-# metrics.jsonl key -> TensorBoard tag
+# metrics.jsonl key -> TensorBoard tag (and W&B key)
 TB_TAGS = {
     "loss": "loss/train", "eval_loss": "loss/eval", "lr": "train/lr", "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "mem_mb": "perf/mem_mb",
@@ -200,12 +205,14 @@ def format_breakdown(parts: dict[str, float]) -> str:
 
 
 class MetricsLog:
-    """Rank 0's view of the run: appends to metrics.jsonl (and TensorBoard with log.tensorboard) and
-    drives the progress display."""
+    """Rank 0's view of the run: appends to metrics.jsonl (and TensorBoard with log.tensorboard, W&B with
+    log.wandb) and drives the progress display."""
 
     def __init__(self, run_dir: str, total_steps: int, start_step: int, enabled: bool, progress: bool,
-                 tensorboard: bool = False, log_every: int = 1, eval_every: int = 0) -> None:
+                 tensorboard: bool = False, log_every: int = 1, eval_every: int = 0,
+                 wandb: WandbLog | None = None) -> None:
         self.enabled = enabled
+        self.wandb = wandb
         self.log_every, self.eval_every = log_every, eval_every
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb = None
@@ -213,8 +220,9 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
             # A resumed run redoes the steps after its checkpoint: TensorBoard hides what an earlier attempt
-            # logged from that step on (purge_step), so each curve has each step once.
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step + 1 if start_step else None)
+            # logged from that step on (purge_step; from step 1 when it starts over), so each curve has each
+            # step once.
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step + 1)
         self.interactive = progress and sys.stderr.isatty()
         self.bar = None
         if enabled and self.interactive:
@@ -237,10 +245,12 @@ class MetricsLog:
         if not self.enabled:
             return
         append_jsonl(self.path, record)
+        scalars = {tag: record[key] for key, tag in TB_TAGS.items() if isinstance(record.get(key), (int, float))}
         if self.tb is not None:
-            for key, tag in TB_TAGS.items():
-                if isinstance(record.get(key), (int, float)):
-                    self.tb.add_scalar(tag, record[key], record["step"], walltime=record.get("time"))
+            for tag, value in scalars.items():
+                self.tb.add_scalar(tag, value, record["step"], walltime=record.get("time"))
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["step"])
         summary = self._format(record)
         if self.bar is not None:
             self.bar.set_postfix_str(summary, refresh=False)
@@ -258,8 +268,11 @@ class MetricsLog:
         parts += [f"lr {r['lr']:.2e}", f"{r['tokens_per_s']:,.0f} tok/s", f"mfu {100 * r['mfu']:.1f}%"]
         return " | ".join(parts)
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """`clean`: the run ended without an error (W&B marks the run finished, else failed)."""
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close(clean)

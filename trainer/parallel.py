@@ -131,11 +131,11 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
     """
     blocks = model.layers
     if cfg.activation_checkpointing != "none":
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from trainer.torch_compat import checkpoint_wrapper
 
         for i, (name, block) in enumerate(list(blocks.items())):
             if cfg.activation_checkpointing == "full" or i % 2 == 0:  # selective: every other block
-                blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+                blocks[name] = checkpoint_wrapper(block)
     # Per block (as torchtitan): inside FSDP2's per-block hooks, and on GPUs at any world size, where
     # one compiled block serves every layer, so compile time does not grow with depth, as the whole
     # model's does (docs/performance.md, "`scripts/bench.py` (full)", change 5).

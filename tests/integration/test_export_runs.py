@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from tests.helpers import REPO, SOLO, assert_params_equal, child_env, run_trainer, smoke_model, trained
-from trainer.checkpoint import Checkpointer, TrainState
+from tests.helpers import REPO, SOLO, assert_params_equal, assert_same, child_env, run_trainer, smoke_model, trained
+from trainer.checkpoint import Checkpointer, TrainState, verify
 from trainer.export import main
 from trainer.model import Transformer
 
@@ -49,6 +49,42 @@ def test_export_consolidates_a_two_rank_run(cache_dir, tmp_path, capsys):
     torch.nn.init.zeros_(exported.norm.weight)  # so that an export that loads nothing cannot pass
     load_model(exported, str(tmp_path / "out.safetensors"))
     assert_params_equal(exported, reference)
+
+
+def test_stock_dcp_tools_read_a_two_rank_run_and_a_dcp_export(cache_dir, tmp_path, capsys):
+    """checkpoint.format=dcp on 2 FSDP ranks: stock `dcp_to_torch_save` consolidates the step as it is.
+    A raw-format step exported with --format dcp: stock tools read the copy, and rekindle verifies and
+    loads it like any committed step."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run_trainer(tmp_path, ["train.steps=3", "train.eval_every=0", "checkpoint.every=3", "checkpoint.format=dcp"],
+                nproc=2)
+    step = tmp_path / "checkpoints/step-00000003"
+    reference, opt = smoke_model()
+    Checkpointer(str(tmp_path / "checkpoints"), SOLO).load(3, reference, opt)
+    dcp_to_torch_save(str(step), str(tmp_path / "stock.pt"))
+    stock = torch.load(tmp_path / "stock.pt", weights_only=True)
+    for name, t in reference.state_dict().items():
+        assert torch.equal(stock["model"][name], t), name
+
+    raw = tmp_path / "raw"
+    model, opt = trained(0)
+    Checkpointer(str(raw), SOLO).save(TrainState(step=5), model, opt)
+    copy = tmp_path / "copies/step-00000005"
+    assert main([str(raw), str(copy), "--format", "dcp"]) == 0
+    assert "DCP standard format" in capsys.readouterr().out
+    dcp_to_torch_save(str(copy), str(tmp_path / "copy.pt"))
+    stock = torch.load(tmp_path / "copy.pt", weights_only=True)
+    for name, t in model.state_dict().items():
+        assert torch.equal(stock["model"][name], t), name
+    assert verify(str(copy)) == ""
+    ckpt = Checkpointer(str(tmp_path / "copies"), SOLO)
+    assert ckpt.discover_latest() == 5
+    fresh = trained(1)
+    ckpt.load(5, *fresh)
+    assert_same((model, opt), fresh)
+    assert main([str(raw), str(copy), "--format", "dcp"]) == 2  # never overwritten
+    assert "not an empty directory" in capsys.readouterr().err
 
 
 def test_export_from_s3(s3_bucket, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Checkpoint bytes, in this process: bit-exact round trips on local disk, the raw shard format
-(dtypes, views, partial reads, old-format checkpoints, stock DCP refusing it), a flipped bit in raw
-tensor data caught before use, and checkpoints that try to run code on load. (Round trips on the
-loopback S3 server: tests/integration/test_checkpoint_s3.py.)"""
+(dtypes, views, partial reads, stock DCP refusing it), DCP's own format (checkpoint.format=dcp) read
+by stock DCP tools, a flipped bit in raw tensor data caught before use, and checkpoints that try to
+run code on load. (Round trips on the loopback S3 server: tests/integration/test_checkpoint_s3.py.)"""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from tests.helpers import (
 )
 from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState
 from trainer.checkpoint import format as ckpt_format
-from trainer.checkpoint.commit import seal
+from trainer.checkpoint.commit import seal, verify
 from trainer.checkpoint.format import RAW_FORMAT, UnsafeCheckpointError, load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -70,19 +70,44 @@ def test_raw_format_partial_reads(tmp_path):
         assert planner.committed == 1 and torch.equal(dest, want.to(dest.dtype)), (offsets, lengths)
 
 
-def test_checkpoint_of_dcps_own_format_still_loads(tmp_path, monkeypatch):
-    """Checkpoints written before the raw format (DCP's torch.save per tensor) load as before."""
-    monkeypatch.setattr(ckpt_format._LocalWriter, "write_data", dcp.FileSystemWriter.write_data)
+def test_checkpoint_of_dcps_own_format_loads(tmp_path):
+    """Steps in DCP's own format (checkpoint.format=dcp, and every checkpoint written before the raw
+    format) load through the same reader, verified by the same checksums."""
     saved = trained(0)
-    Checkpointer(str(tmp_path), SOLO).save(TrainState(step=3), *saved)
-    monkeypatch.undo()
+    Checkpointer(str(tmp_path), SOLO, fmt="dcp").save(TrainState(step=3), *saved)
     meta = load_metadata((tmp_path / "step-00000003" / ".metadata").read_bytes())
-    assert all(info.transform_descriptors is None for info in meta.storage_data.values())  # the old format
+    assert all(info.transform_descriptors is None for info in meta.storage_data.values())  # DCP's format
+    assert verify(str(tmp_path / "step-00000003")) == ""
     ckpt = Checkpointer(str(tmp_path), SOLO)
     assert ckpt.discover_latest() == 3
     fresh = trained(1)
     ckpt.load(3, *fresh)
     assert_same(saved, fresh)
+
+
+def test_stock_dcp_tools_read_a_dcp_format_checkpoint(tmp_path):
+    """checkpoint.format=dcp: stock `dcp.load` (its own reader and planner) and `dcp_to_torch_save`
+    read the step directory as it is, COMMIT.json and train_state.json beside the DCP files."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = trained(0)
+    Checkpointer(str(tmp_path), SOLO, fmt="dcp").save(TrainState(step=3), model, opt)
+    step = str(tmp_path / "step-00000003")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    into = {"model": blank(model_sd), "optim": {"state": blank(optim_sd["state"])}}
+    dcp.load(into, checkpoint_id=step, no_dist=True)
+    for name, t in model_sd.items():
+        assert torch.equal(into["model"][name], t), name
+    for name, moments in optim_sd["state"].items():
+        for key, t in moments.items():
+            assert torch.equal(into["optim"]["state"][name][key], t), (name, key)
+    dcp_to_torch_save(step, str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert set(full["model"]) == set(model_sd)
+    for name, t in model_sd.items():
+        assert torch.equal(full["model"][name], t), name
+    assert full["optim"]["param_groups"][0]["lr"] == optim_sd["param_groups"][0]["lr"]
 
 
 def test_stock_dcp_reader_refuses_the_raw_format(tmp_path):

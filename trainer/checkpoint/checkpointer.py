@@ -116,8 +116,10 @@ class Checkpointer:
 
     def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False,
                  on_commit: Callable[[int], None] | None = None, every: int = 0, max_failed_saves: int = 0,
-                 on_event: Callable[..., None] | None = None, stalls: storage.StallWatch | None = None) -> None:
+                 on_event: Callable[..., None] | None = None, stalls: storage.StallWatch | None = None,
+                 fmt: str = "raw") -> None:
         self.root, self.info, self.keep, self.keep_every, self.every = root, info, keep, keep_every, every
+        self.fmt = fmt  # shard format of the steps this writes ("raw" | "dcp"); any is loaded
         self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
         self.on_event = on_event  # called on rank 0 with (event name, **fields): failed saves, fallbacks
         self.max_failed_saves, self.failed_in_a_row = max_failed_saves, 0
@@ -175,7 +177,7 @@ class Checkpointer:
 
     def _write(self, sd: dict, path: str, injected, group) -> dict[str, dict]:
         """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
-        writer = shard_format.writer(path, injected)
+        writer = shard_format.writer(path, injected, self.fmt)
         with self._stalls.guard("writing a checkpoint", path):
             with shard_format.quiet_single_process():
                 dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)

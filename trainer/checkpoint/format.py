@@ -1,6 +1,6 @@
 """The checkpoint file format: DCP storage readers/writers (local paths and fsspec URLs) for the raw
 shard format, checksums computed while the shards are written, and loading that cannot run code.
-This is the module that knows DCP's storage layer (and its private classes).
+This is the module that knows DCP's storage layer (its private parts come from trainer.torch_compat).
 
 Shard format: the checkpoint is a DCP checkpoint (`.metadata` + one `__<rank>_0.distcp` per rank,
 planned, resharded and loaded by DCP), but the writer here stores each tensor chunk as its raw bytes
@@ -43,20 +43,16 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import _fsspec_filesystem as dcp_fsspec
 from torch.distributed.checkpoint import filesystem as dcp_fs
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from trainer import storage
+from trainer.torch_compat import FsspecReader, FsspecWriter, StorageInfo
 
 # The storage format of tensor items written here: the tensor's bytes, row-major, nothing else. Its
 # dtype and shape are the chunk's in `.metadata`. A transform descriptor as far as DCP is concerned:
@@ -121,6 +117,29 @@ def _readinto(stream: Any, start: int, view: memoryview, what: str) -> None:
         if not n:
             raise CheckpointError(f"{what}: the file ends {view.nbytes - done} bytes short (truncated?)")
         done += n
+
+
+def _narrow(t: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The box of `t` at `offsets` with `lengths` (a view)."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def set_element(root: dict, path: tuple, value: Any) -> None:
+    """Put `value` at `path` (dict keys and list indices) in the nested `root`, making the dicts and
+    lists on the way: DCP's flattening of a state dict, undone for one item."""
+    node: Any = root
+    for i, key in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+        if last:
+            node[key] = value
+        else:
+            if (node[key] if isinstance(node, list) else node.get(key)) is None:
+                node[key] = [] if isinstance(path[i + 1], int) else {}
+            node = node[key]
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -233,7 +252,7 @@ class _SafeReaderMixin:
             _readinto(stream, start, memoryview(buf), f"checkpoint item {fqn}")
             src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
             if shape != lengths:
-                src = narrow_tensor_by_index(src, offsets, lengths)
+                src = _narrow(src, offsets, lengths)
             target.copy_(src)
         planner.commit_tensor(item, target)
 
@@ -328,24 +347,29 @@ class _DigestingFileSystem:
             self.digests[name.removesuffix(".tmp")] = {"size": out.size, storage.CHECKSUM: out.digest.hexdigest()}
 
 
-class _LocalDigestingFS(_DigestingFileSystem, dcp_fs.FileSystem):
-    pass
-
-
-class _FsspecDigestingFS(_DigestingFileSystem, dcp_fsspec.FileSystem):
-    pass
+def _digesting(fs: Any, fault: Fault | None) -> Any:
+    """The writer's own FileSystem object `fs`, as an instance of a subclass that hashes what it writes."""
+    cls = type(f"Digesting{type(fs).__name__}", (_DigestingFileSystem, type(fs)), {})
+    out = cls.__new__(cls)
+    out.__dict__.update(vars(fs))
+    out.digests, out.fault = {}, fault
+    return out
 
 
 class _RawWriterMixin:
     """For DCP's FileSystemWriter and FsspecWriter: one shard file per rank, tensors written in
     RAW_FORMAT. DCP's own writer calls torch.save per tensor (a zip archive each, a pickle, several
-    small records); for a few hundred tensors that costs more than writing their bytes."""
+    small records); for a few hundred tensors that costs more than writing their bytes. With
+    `standard` set, DCP's own write_data runs instead (still hashed by `_DigestingFileSystem`)."""
 
     fs: Any
     path: Any
     sync_files: bool
+    standard: bool = False
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.standard:
+            return super().write_data(plan, planner)  # type: ignore[misc]
         name = f"{plan.storage_data.prefix}0{dcp_fs.DEFAULT_SUFFIX}"
         results: list[WriteResult] = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
@@ -367,7 +391,7 @@ class _RawWriterMixin:
                         at += pad
                 stream.write(data)
                 results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
-                                           storage_data=_StorageInfo(name, at, data.nbytes, formats)))
+                                           storage_data=StorageInfo(name, at, data.nbytes, formats)))
                 at += data.nbytes
             if self.sync_files:
                 stream.flush()
@@ -385,20 +409,20 @@ class _FsspecWriter(_RawWriterMixin, FsspecWriter):
     pass
 
 
-def writer(url: str, fault: Fault | None = None) -> dcp.FileSystemWriter:
-    """A DCP writer (RAW_FORMAT shards) for a local path or fsspec URL whose `.digests` maps each file
-    it wrote (its shard; `.metadata` too on the coordinator) to {size, checksum}. Local shards are
-    fsynced; object stores have nothing to sync (an upload is whole)."""
-    if not storage.is_local(url):
-        w = _FsspecWriter(url, sync_files=False)
-        fs = _FsspecDigestingFS()
-        fs.fs = w.fs.fs
-    else:
-        w = _LocalWriter(storage.local_path(url))
-        fs = _LocalDigestingFS()
-    fs.digests, fs.fault = {}, fault
-    w.fs = fs
-    w.digests = fs.digests
+FORMATS = ("raw", "dcp")  # checkpoint.format: RAW_FORMAT tensors | DCP's own (torch.save per tensor)
+
+
+def writer(url: str, fault: Fault | None = None, fmt: str = "raw") -> dcp.FileSystemWriter:
+    """A DCP writer for a local path or fsspec URL whose `.digests` maps each file it wrote (its shard;
+    `.metadata` too on the coordinator) to {size, checksum}. `fmt` "raw": RAW_FORMAT shards; "dcp":
+    DCP's standard format, which stock tools (`dcp.load`, `format_utils.dcp_to_torch_save`) read. Local
+    shards are fsynced; object stores have nothing to sync (an upload is whole)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"checkpoint format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    w = _LocalWriter(storage.local_path(url)) if storage.is_local(url) else _FsspecWriter(url, sync_files=False)
+    w.standard = fmt == "dcp"
+    w.fs = _digesting(w.fs, fault)
+    w.digests = w.fs.digests
     return w
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+from trainer.torch_compat import copy_state_dict, create_cpu_state_dict
 
 
 class AsyncStager:
@@ -49,11 +50,11 @@ class AsyncStager:
     def _stage(self, sd: dict) -> dict:
         if self._buffer is not None:
             try:
-                return _copy_state_dict(sd, self._buffer)
+                return copy_state_dict(sd, self._buffer)
             except Exception:  # noqa: BLE001 - the state's structure changed (e.g. CompanionMismatch): new buffer
                 self._buffer = None
-        self._buffer = _create_cpu_state_dict(sd, pin_memory=self._pin)
-        return _copy_state_dict(sd, self._buffer)
+        self._buffer = create_cpu_state_dict(sd, pin_memory=self._pin)
+        return copy_state_dict(sd, self._buffer)
 
     def wait_staged(self) -> None:
         """Block until the background copy is done (then the tensors may change)."""
