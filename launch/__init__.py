@@ -4,6 +4,7 @@
     supervisor   one node's launcher: composes the parts below, decides the outcome and exit code
     agent        torchrun's LocalElasticAgent with the supervisor's hooks (the only file touching its internals)
     rendezvous   the c10d rendezvous (loopback-only store on one node) and the worker spec
+    zygote, stub warm restarts: the fork server ranks are forked from, and the stub torchelastic starts
     failures     failure attribution: pure functions over what torchelastic reported
     watchdog     hang detection from the ranks' heartbeat records
     policy       restart, back off, or stop (budget, crash loop, bad input)

@@ -122,9 +122,9 @@ def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, d
         return Failure(cause.rank, "signal", step, cause.exit_code, signal_name(cause.exit_code)), ""
     if cause.exit_code == EXIT_PREEMPTED:
         # Every rank exits 75 after a SIGTERM to any one of them: name the one that got it, which
-        # says so in its heartbeat (`signalled`), when it is on this node.
-        signalled = sorted(r for r, e in exits.items() if e.exit_code == EXIT_PREEMPTED and beats.get(r, {}).get(
-            "signalled"))
+        # says so in its heartbeat (`signalled`), when it is on this node; it need not have exited yet
+        # (the first rank to exit ends the group).
+        signalled = sorted(r for r, beat in beats.items() if beat.get("signalled"))
         rank = signalled[0] if signalled else cause.rank
         step = beats.get(rank, {}).get("step", last_step) + 1
         return Failure(rank, "preemption", step, cause.exit_code), ""

@@ -68,6 +68,7 @@ class Ledger:
         lost = max(previous - a.resumed_step, 0)
         resume = {
             "step": a.resumed_step, "lost_steps": lost, "reason": a.reason,
+            "tier": beat.get("resumed_tier", "durable"),  # memory | durable | none (started over)
             "recovery_s": round(beat["t_first"] - since, 3), "restart_s": round(beat["t_load"] - since, 3),
             "spawn_s": round(beat["t_proc"] - since, 3),  # stop the group, rendezvous, fork/exec
             "startup_s": round(beat["t_load"] - beat["t_proc"], 3),  # import torch, join the group, build the model
@@ -112,6 +113,7 @@ class Ledger:
             "wall_s": round(wall, 3), "restarts": max(len(self.attempts) - 1, 0), "failures": len(self.failures),
             "lost_steps": sum(r["lost_steps"] for r in self.resumes),
             "recovery_s": [r["recovery_s"] for r in self.resumes],
+            "tiers": [r.get("tier", "durable") for r in self.resumes],
             "productive_s": round(self.productive_s(), 3), "lost_s": round(self.lost_s(), 3),
             "steps_kept": self.steps_kept(),
             "goodput": round(self.productive_s() / wall, 4) if wall > 0 else 0.0,
@@ -131,6 +133,7 @@ class Ledger:
 
 
 def format_summary(s: dict) -> str:
-    recov = ", ".join(f"{r:.1f}s" for r in s["recovery_s"]) or "none"
+    tiers = s.get("tiers") or ["durable"] * len(s["recovery_s"])
+    recov = ", ".join(f"{r:.1f}s ({tier})" for r, tier in zip(s["recovery_s"], tiers, strict=False)) or "none"
     return (f"{s['restarts']} restart(s), {s['lost_steps']} lost step(s), recovery {recov}, "
             f"goodput {100 * s['goodput']:.1f}% ({s['productive_s']:.1f}s productive of {s['wall_s']:.1f}s wall)")

@@ -18,6 +18,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from launch.zygote import STUB_PATH
 from trainer.parallel import is_loopback, tcp_store_server
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ def run_id(name: str, directory: str, standalone: bool) -> str:
     return "rekindle-" + hashlib.sha256(f"{name}:{directory}:{salt}".encode()).hexdigest()[:12]
 
 
-def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: int) -> WorkerSpec:
-    """torchrun's worker spec for `python -m trainer CONFIG OVERRIDES` on this node, with its rendezvous."""
+def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: int, warm: bool = False) -> WorkerSpec:
+    """torchrun's worker spec for `python -m trainer CONFIG OVERRIDES` on this node, with its rendezvous.
+    `warm`: each rank starts as launch/stub.py, which has the launcher's fork server (launch.zygote) fork
+    the trainer (or runs the plain one when it cannot)."""
     standalone = not opts.rdzv_endpoint
     endpoint = opts.rdzv_endpoint or STANDALONE_ENDPOINT
     host, _ = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
@@ -55,8 +58,10 @@ def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: 
         **settings(opts.min_nodes, opts.max_nodes, opts.rdzv_conf))
     # A restarted group must not reuse the agent's store: stale gloo addresses (FIELD-NOTES).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # -S: the stub needs the standard library only (no site packages to scan: a few hundredths of a second).
+    command = ("-S", STUB_PATH) if warm else ("-u", "-m", "trainer")
     return WorkerSpec(role="trainer", local_world_size=opts.nproc_per_node, entrypoint=sys.executable,
-                      args=("-u", "-m", "trainer", opts.config_path, *opts.overrides), rdzv_handler=handler(params),
+                      args=(*command, opts.config_path, *opts.overrides), rdzv_handler=handler(params),
                       max_restarts=max_restarts, monitor_interval=opts.monitor_interval_s, local_addr=local_addr)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -29,7 +30,9 @@ from launch.failures import Failure
 from launch.ledger import Ledger, format_summary
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
+from launch.stub import ZYGOTE_ENV
 from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
+from launch.zygote import Zygote
 from trainer.config import Config
 from trainer.cost import format_cost
 from trainer.lease import JOB_ENV
@@ -44,6 +47,7 @@ class Supervisor:
 
     def __init__(self, cfg: Config, opts: LaunchOptions) -> None:
         self.cfg, self.opts, f = cfg, opts, cfg.fault
+        self.zygote: Zygote | None = None  # warm restarts: the fork server the ranks are forked from (run())
         max_restarts = f.max_restarts if opts.max_restarts is None else opts.max_restarts
         self.policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
         self.ledger = Ledger(Path(cfg.run.dir))
@@ -79,6 +83,11 @@ class Supervisor:
     def before_start(self, attempt: int) -> None:
         self.attempt = attempt
         self.watchdog.reset()
+        if self.zygote is not None and not self.zygote.alive():
+            if self.zygote.ensure() and self.zygote.wait_bound():
+                log.warning(f"the fork server for warm restarts had ended: started again (pid {self.zygote.pid})")
+            else:
+                log.warning("the fork server for warm restarts is gone: the ranks start afresh")
 
     def after_start(self, attempt: int, pids: dict[int, int]) -> None:
         interrupted, self._interrupted = self._interrupted, None
@@ -126,7 +135,8 @@ class Supervisor:
         """Fold this node's lowest rank's heartbeat into the ledger; say so once a restarted group resumed."""
         event = self.ledger.observe(beat)
         if event:
-            log.info(f"resumed at step {event['step']}: {event['lost_steps']} step(s) lost, recovery "
+            log.info(f"resumed at step {event['step']} from the {event['tier']} tier: {event['lost_steps']} step(s) "
+                     f"lost, recovery "
                      f"{event['recovery_s']:.1f}s (restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, "
                      f"first step {event['first_step_s']:.1f}s)")
 
@@ -163,14 +173,18 @@ class Supervisor:
         if self.opts.job:
             os.environ[JOB_ENV] = self.opts.job  # the ranks of this job share its leases (trainer.lease)
         o = self.opts
-        spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts)
+        warm = self.cfg.fault.warm_restarts and sys.platform.startswith("linux")  # (PR_SET_PDEATHSIG, pidfd)
+        spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts, warm=warm)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
         self.ledger.event("start", nproc_per_node=o.nproc_per_node, nnodes=f"{o.min_nodes}:{o.max_nodes}",
-                          max_restarts=self.policy.max_restarts, config=o.config_path, overrides=o.overrides)
+                          max_restarts=self.policy.max_restarts, config=o.config_path, overrides=o.overrides,
+                          warm_restarts=warm)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
-        thread.start()
         try:
+            if warm:
+                self._start_zygote()
+            thread.start()
             self._wait_for(thread)
             beats = self.watchdog.beats(self.attempt)  # the last word of this node's ranks, for the outcome
             if beats:
@@ -179,7 +193,21 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.watchdog.remove()
+            if self.zygote is not None:
+                self.zygote.close()
         return self._finish()
+
+    def _start_zygote(self) -> None:
+        """The fork server the ranks are forked from (launch.zygote). Started on the main thread
+        (PR_SET_PDEATHSIG follows the thread that started it) once the launcher has imported torch: on a
+        small machine a second import at the same time would delay the launcher's own start by seconds.
+        Its import overlaps the rendezvous and the first stubs' start (they wait for it)."""
+        self.zygote = Zygote(self.cfg.run.dir)
+        self.zygote.start()
+        os.environ[ZYGOTE_ENV] = self.zygote.socket
+        self.zygote.wait_bound()
+        log.info(f"warm restarts: ranks are forked from a process with torch and the trainer imported "
+                 f"(pid {self.zygote.pid}; fault.warm_restarts=false turns this off)")
 
     def _run_agent(self) -> None:
         try:

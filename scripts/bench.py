@@ -8,6 +8,8 @@
   5. the effect of the speed options: compile, activation checkpointing (selective,
      full) and the malloc tuning (dist.tune_malloc), each against the plain run;
   6. where the step time goes (data wait / forward+backward / optimizer / comm wait);
+  6b. the memory tier's cost: 2 ranks with checkpoint.memory_every=1 (every step snapshotted to
+     memory) against the same runs without it, alternating (goal >= 0.97 of the tokens/s);
   7. on CPU, the peer the MFU goal comes from: a nanoGPT-style GPT-2 loop (`scripts/bench_peer.py`)
      at the sizes of the goal (4 layers x 256 and 6 x 384, batch 8, seq 256, vocab 8192), 1 thread,
      MFU by its own FLOP count against the peak measured around it;
@@ -97,7 +99,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0,
                     help="threads for the in-process trainer/bare comparison (default: all cores)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc,peer")
+                    help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc,memory,peer")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. model.n_layers=6")
     return ap.parse_args()
 
@@ -227,6 +229,24 @@ class Bench:
             if "fwd_bwd_s" in r:
                 print(f"{key:<34} {format_breakdown(r)}")
 
+    def memory_tier(self) -> None:
+        """6b. 2 ranks, memory tier on (every step) and off, alternating; tokens/s ratio."""
+        if "memory" in self.skip or (self.cores < 2 and not self.cuda):
+            return
+        print(f"\n## memory tier (2 ranks x 1 thread, checkpoint.memory_every=1 vs off, {self.rounds} round(s) "
+              "alternating; the snapshots go to a temporary directory)")
+        on, off = [], []
+        for i in range(self.rounds):
+            with tempfile.TemporaryDirectory(prefix="bench-memory-") as shm:
+                for label, extra, into in (("off", [], off), ("on", ["checkpoint.memory_every=1",
+                                                                     f"checkpoint.memory_dir={shm}"], on)):
+                    r = run_trainer(self.config, [*self.args.overrides, *extra], self.steps, self.window, nproc=2)
+                    into.append(r["tokens_per_s"])
+                    print(f"round {i + 1} memory tier {label:<3} {r['tokens_per_s']:9,.0f} tok/s")
+        ratio = statistics.median(on) / statistics.median(off)
+        self.results["memory"] = {"ratio": ratio}
+        print(f"memory tier on/off: x{ratio:.3f} tokens/s (goal >= 0.97)")
+
     def peer(self) -> dict:
         """7. the peer of the CPU goal, in a fresh process with glibc's default malloc (as nanoGPT runs)."""
         peers: dict = {}
@@ -256,6 +276,7 @@ def main() -> None:
     ratio = bench.trainer_vs_bare()
     bench.ranks()
     bench.options()
+    bench.memory_tier()
     peers = bench.peer()
     print_goals(bench.args.config, ratio, bench.results, peers, bench.cuda)
 
@@ -265,6 +286,9 @@ def print_goals(config: str, ratio: float | None, results: dict, peers: dict, cu
     print("\n## goals")
     if ratio is not None:
         print(f"trainer/bare tokens/s {ratio:.3f} (goal >= 0.95): {'met' if ratio >= 0.95 else 'NOT met'}")
+    if "memory" in results:
+        got = results["memory"]["ratio"]
+        print(f"memory tier on/off tokens/s {got:.3f} (goal >= 0.97): {'met' if got >= 0.97 else 'NOT met'}")
     if cuda:
         print("GPU MFU goal (>= 45%, configs/llama-1b.yaml, bf16 + compile): run scripts/gpu_check.sh")
         return

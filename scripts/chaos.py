@@ -232,6 +232,10 @@ def main() -> int:
     if ref.wait(timeout=args.timeout) != 0:
         print(f"[chaos] the reference run failed: see {out / 'reference.log'}")
         return 1
+    ref_done = next((e for e in reversed(read_events(out / "reference")) if e["event"] == "done"), {})
+    if ref_done:
+        print(f"[chaos] reference run: goodput {100 * ref_done.get('goodput', 0):.1f}% undisturbed "
+              f"({ref_done['productive_s']:.1f}s in steps of {ref_done['wall_s']:.1f}s wall; goal >= 97%)", flush=True)
     run_dir = out / "chaos"
     print(f"[chaos] chaos run with {args.kills} kills -> {run_dir}", flush=True)
     code, kills = run_with_kills(args, run_dir, out / "chaos.log", rng)

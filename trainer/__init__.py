@@ -18,6 +18,7 @@ torchrun or `python -m launch`.
     protocol      the contract with the launcher: env vars, exit codes, heartbeats, events.jsonl
     fault         preemption (SIGTERM), dying with the launcher, fault injection for tests
     process, logs /proc and process life; the one logging set-up
+    startup       start-up measurements kept across the launcher's restarts (the matmul peak)
     export, hf    weights out: safetensors, or a Hugging Face Llama directory (hf: both directions)
     plot, cost, host, testing   the run plot; cost; malloc/THP; loopback S3 and a pausable TCP proxy
 """

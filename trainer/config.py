@@ -84,6 +84,12 @@ class CheckpointConfig:
     format: str = setting("raw", "raw: each tensor's bytes (faster) | dcp: DCP's standard format, which stock "
                           "torch.distributed.checkpoint tools read (dcp.load, dcp_to_torch_save)",
                           choices=("raw", "dcp"))
+    memory_every: int = setting(0, "steps between memory snapshots (each rank's shard, node-local memory, "
+                                "written in the background); a restart resumes from the newest one every rank "
+                                "has when it is newer than the durable checkpoint; 0 = off", ge=0)
+    memory_dir: str = setting("", "where memory snapshots go (a local directory); empty = /dev/shm/rekindle-memory")
+    memory_replicas: int = setting(1, "with several nodes, copies of each rank's memory snapshot on another node "
+                                   "(so losing a node loses nothing in memory); 0 = none", ge=0, lt=2)
     resume: str = setting("auto", "auto: from the newest commit if any | never | required: fail without one",
                           choices=("auto", "never", "required"))
     max_failed_saves: int = setting(3, "periodic saves in a row that may fail (disk full, storage refusing) while "
@@ -121,6 +127,19 @@ class FaultConfig:
                                        ge=0)
     crash_loop_repeats: int = setting(3, "the same failure at the same step this many times in a row = crash loop",
                                       gt=0)
+    warm_restarts: bool = setting(True, "the launcher forks restarted ranks from a process with torch and the trainer "
+                                  "already imported (launch.zygote) instead of starting Python afresh; false = off")
+    straggler_factor: float = setting(1.5, "a rank whose own work per step (data wait + compute, not waiting in "
+                                      "collectives) is this many times the other ranks' median is slow; 0 = off",
+                                      ge=0)
+    straggler_s: float = setting(30.0, "ranks are compared over periods of at least this many seconds (whole log "
+                                 "windows): slow over a period = a straggler (a `straggler` event); not slow over a "
+                                 "later one = recovered", gt=0)
+
+    def check(self, prefix: str = "") -> None:
+        if 0 < self.straggler_factor <= 1:
+            raise ConfigError(f"config key '{prefix}straggler_factor' ({self.straggler_factor}) must be above 1 "
+                              "(how many times slower than the other ranks), or 0 for no straggler detection")
 
 
 @dataclass

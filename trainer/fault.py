@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -65,12 +66,44 @@ def die_with_launcher() -> None:
         die_with_parent(lambda: os.getppid() == int(launcher))
 
 
+# How often the ranks agree on a preemption (PreemptionFlag): steps shorter than BLOCK_ABOVE_S agree about
+# every CHECK_EVERY_S, pipelined; longer ones block at the end of every step.
+CHECK_EVERY_S = 0.25
+BLOCK_ABOVE_S = 0.5
+MAX_STEPS_BETWEEN = 32
+
+
+def steps_between_checks(step_s: float) -> int:
+    """This rank's proposal for the steps between two preemption agreements, from its step time: 0 =
+    block at every step (a slow step: the all-reduce is a negligible part of it, and the ranks stop at
+    the end of the step the signal came in); k >= 1 = every k steps, pipelined (about every CHECK_EVERY_S)."""
+    if step_s >= BLOCK_ABOVE_S:
+        return 0
+    return max(1, min(MAX_STEPS_BETWEEN, int(CHECK_EVERY_S / step_s))) if step_s > 0 else MAX_STEPS_BETWEEN
+
+
 class PreemptionFlag:
-    """SIGTERM sets a flag; `requested()` makes all ranks agree on it at a step boundary."""
+    """SIGTERM sets a flag; `agreed()`, called by every rank at every step boundary, makes all ranks stop
+    at the same step once any of them got it.
+
+    It used to be a blocking all-reduce after every step, which on small fast steps cost more than
+    the rest of the fault tolerance together. Now the ranks agree at check steps only, and on fast steps
+    without waiting: at a check step every rank reads the MAX all-reduce it started, asynchronously, at
+    the previous check step (finished long since), and starts the next one. That all-reduce also carries
+    each rank's proposal for the steps to the next check (`steps_between_checks`; the smallest wins), so
+    every rank knows the same check steps and reads the same flags at the same step: they all stop
+    there. A signal is acted on within about 2 x CHECK_EVERY_S on fast steps; on steps of BLOCK_ABOVE_S
+    or more the all-reduce blocks at every step, and the ranks stop at the end of the step the signal
+    came in, as before. With one rank there is nothing to agree on: it stops at the next boundary."""
 
     def __init__(self) -> None:
         self._set = threading.Event()
         self._previous = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None  # the all-reduce of the previous check
+        self._every = 0  # agreed steps between checks; 0 = block at every step (until the ranks agree)
+        self._next = 0  # the next check step (the same on every rank)
+        self._checked: tuple[float, int] | None = None  # (time, step) of the previous check
+        self._step_s = 0.0  # this rank's recent step time (0: not known yet)
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handler)
 
@@ -79,16 +112,52 @@ class PreemptionFlag:
 
     @property
     def received(self) -> bool:
-        """Whether this rank itself got SIGTERM (the others learn it through `requested`)."""
+        """Whether this rank itself got SIGTERM (the others learn it through `agreed`)."""
         return self._set.is_set()
 
-    def requested(self, world: int, device: torch.device) -> bool:
-        """Collective when world > 1: true on every rank if any rank got SIGTERM."""
+    def checks_at(self, step: int) -> bool:
+        """Whether `agreed()` starts an all-reduce at this step boundary (the same on every rank)."""
+        return step >= self._next
+
+    @property
+    def blocking(self) -> bool:
+        """Whether the ranks agree at every step, waiting for it (slow steps, or not yet known)."""
+        return self._every == 0
+
+    def agreed(self, step: int, world: int, device: torch.device, last: bool = False) -> bool:
+        """Collective when world > 1 (every rank, every step boundary, in step order): true on every rank
+        at the same step once any rank got SIGTERM. `last`: the run's final step, which stops anyway; the
+        agreement in flight is completed and no new one started (no collective is left pending)."""
         if world == 1:
-            return self._set.is_set()
-        flag = torch.tensor([int(self._set.is_set())], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            return self._set.is_set() and not last
+        if last:
+            if self._pending is not None:
+                self._read()
+            return False
+        if step < self._next:
+            return False
+        now = time.perf_counter()
+        if self._checked is not None:
+            self._step_s = (now - self._checked[0]) / max(step - self._checked[1], 1)
+        self._checked = (now, step)
+        if self._pending is not None and self._read():
+            return True
+        proposal = steps_between_checks(self._step_s) if self._step_s else 1
+        flag = torch.tensor([int(self._set.is_set()), -proposal], device=device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        if self._every == 0 and self._read():  # blocking: agree on this very step
+            return True
+        self._next = step + max(self._every, 1)
+        return False
+
+    def _read(self) -> bool:
+        """Wait for the pending all-reduce: whether any rank had the flag; sets the agreed interval."""
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        anyone, neg_every = flag.tolist()
+        self._every = -neg_every
+        return anyone > 0
 
     def close(self) -> None:
         if self._previous is not None:
@@ -97,6 +166,17 @@ class PreemptionFlag:
 
 
 # ---------------------------------------------------------------------- fault injection (tests, chaos)
+def slowdown(step: int, rank: int) -> float:
+    """REKINDLE_SLOW_RANK="rank:seconds[@first[-last]]": the seconds `rank` sleeps in the forward/backward
+    of each step from `first` (default 1) to `last` (default: the end), in every attempt (a straggler);
+    0.0 for every other rank and step."""
+    target = protocol.slow_rank(os.environ.get(protocol.SLOW_RANK_ENV, ""))
+    if target is None:
+        return 0.0
+    slow_rank, seconds, first, last = target
+    return seconds if rank == slow_rank and first <= step and (last is None or step <= last) else 0.0
+
+
 def inject_faults(step: int, rank: int) -> None:
     """REKINDLE_FAIL_AT: a deterministic exception; REKINDLE_HANG_AT: a spinning hang (first attempt)."""
     if protocol.injected(os.environ.get(protocol.FAIL_AT_ENV, ""), step, rank):

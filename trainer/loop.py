@@ -5,6 +5,7 @@ when it acts (the evaluator, the metrics log, the checkpointer); teardown happen
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,7 @@ from trainer.checkpoint import (
     TrainState,
     step_dir,
 )
+from trainer.checkpoint import memory as memory_tier
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.cost import cost_report, format_cost
@@ -33,6 +35,7 @@ from trainer.metrics import (
     BREAKDOWN,
     LogWindow,
     MetricsLog,
+    PendingRecords,
     StepTimer,
     format_breakdown,
     memory_mb,
@@ -43,6 +46,7 @@ from trainer.model import Transformer
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.profiling import StepProfiler
 from trainer.step import NonFiniteGuard, StepResult, micro_batches, train_step
+from trainer.stragglers import Change, StragglerWatch
 
 log = logs.get_logger()
 
@@ -73,6 +77,10 @@ class Run:
     comm: parallel.CommTimer | None = None
     profiler: StepProfiler | None = None
     guard: NonFiniteGuard | None = None
+    stragglers: StragglerWatch | None = None
+    records: PendingRecords | None = None  # log records waiting for the other ranks' numbers
+    memory: memory_tier.MemoryTier | None = None  # checkpoint.memory_every > 0
+    resumed_tier: str = "none"  # where the start state came from: memory | durable | none
     start_step: int = 0
     started: float = 0.0
     busy_s: float = 0.0  # time spent in training steps this attempt (goodput's numerator)
@@ -105,7 +113,8 @@ def train(cfg: Config) -> dict:
         while run.state.step < cfg.train.steps:
             step_start = time.perf_counter()
             micros, data_wait = next_batch(run)
-            result = train_step(run.model, run.optimizer, micros, cfg, info, run.timer)
+            result = train_step(run.model, run.optimizer, micros, cfg, info, run.timer,
+                                fault.slowdown(run.state.step + 1, info.rank))
             after_step(run, result, step_start, data_wait)
         return finish(run)
     finally:
@@ -231,8 +240,17 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
                                 every=ck.every, max_failed_saves=ck.max_failed_saves, on_event=on_event,
                                 stalls=stalls, fmt=ck.format)
     state = TrainState(world=info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model), config=cfg.to_dict())
-    return Run(cfg, info, heartbeat, preemption, stalls, shards, loader, evaluator, model, optimizer, checkpointer,
-               micro_batch, flops_per_token, peak, state)
+    run = Run(cfg, info, heartbeat, preemption, stalls, shards, loader, evaluator, model, optimizer, checkpointer,
+              micro_batch, flops_per_token, peak, state)
+    if ck.memory_every:
+        run.memory = memory_tier.MemoryTier(
+            ck.memory_dir or memory_tier.default_dir(), memory_tier.run_id(cfg.run.dir, info.is_main, info.world),
+            memory_tier.config_identity(state.config), info.rank, info.world, ck.memory_every, cfg.run.dir,
+            on_failure=lambda error: log.warning("memory snapshot failed (training goes on; the durable tier and "
+                                                 "older snapshots stay): %s", error),
+            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", info.world)), replicas=ck.memory_replicas)
+        log.info("memory tier: %s", run.memory.describe())
+    return run
 
 
 def init_from_hf(model: Transformer, cfg: Config) -> None:
@@ -258,13 +276,21 @@ def resume(run: Run) -> None:
             "checkpoint.dir (or run.dir), or delete them to start over")
     with run.stalls.guard("resuming from a checkpoint", root):
         latest = run.checkpointer.discover_latest() if mode != "never" else None
-        if latest is None and mode == "required":
+        parts = run.memory.scan() if run.memory is not None and mode != "never" else {}
+        in_memory, givers = run.memory.plan(parts) if run.memory is not None and mode != "never" else (None, {})
+        if in_memory is not None and (latest is None or in_memory > latest):
+            load_snapshot(run, in_memory, givers, parts, durable=latest)
+        elif latest is None and mode == "required":
             raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
-        if latest is not None:
+        elif latest is not None:
             load_checkpoint(run, latest)
+            if run.memory is not None:
+                log.info("memory tier: %s", "no snapshot that every rank has" if in_memory is None else
+                         f"newest snapshot every rank has is step {in_memory}, not newer than the durable one")
         elif mode != "never":
             log.info("no committed checkpoint in %s: starting fresh", root)
-    run.heartbeat.beat("loaded", step=run.state.step, t_loaded=time.time(), resumed_step=run.state.step)
+    run.heartbeat.beat("loaded", step=run.state.step, t_loaded=time.time(), resumed_step=run.state.step,
+                       resumed_tier=run.resumed_tier)
 
     t = cfg.train
     run.metrics = MetricsLog(cfg.run.dir, t.steps, run.state.step, info.is_main, cfg.log.progress,
@@ -275,7 +301,9 @@ def resume(run: Run) -> None:
     run.profiler = StepProfiler(cfg.profile.steps, cfg.run.dir, info.rank, info.device)
     run.profiler.maybe_start(run.state.step + 1)
     run.guard = NonFiniteGuard(t.max_bad_steps)
-    run.window = LogWindow(run.timer, lambda values: parallel.all_reduce_mean(values, info))
+    run.window = LogWindow(run.timer)
+    run.records = PendingRecords(lambda values: parallel.all_gather_rows(values, info))
+    run.stragglers = StragglerWatch(cfg.fault.straggler_factor, cfg.fault.straggler_s)
     run.start_step, run.started = run.state.step, time.perf_counter()
     run.model.train()
 
@@ -289,6 +317,7 @@ def load_checkpoint(run: Run, step: int) -> None:
         changed.update(resume_rules.check_resume(saved.config, saved.model, cfg.to_dict(), path))
 
     run.state = run.checkpointer.load(step, run.model, run.optimizer, check=check)
+    run.resumed_tier = "durable"
     run.loader.load_state_dict(run.state.data or {})
     log.info("resumed from step %d (%s, saved by %d rank(s))", run.state.step, path, run.state.world)
     if changed:
@@ -298,6 +327,18 @@ def load_checkpoint(run: Run, step: int) -> None:
                                   changes={key: list(values) for key, values in changed.items()})
     # The next checkpoint records this run's settings.
     run.state.config, run.state.model, run.state.config_sha256 = cfg.to_dict(), asdict(cfg.model), cfg.sha256()
+
+
+def load_snapshot(run: Run, step: int, givers: dict[int, int], parts: dict, durable: int | None) -> None:
+    """Restore this rank's part of memory snapshot `step` (same run, config and world size: nothing to
+    check or reshard), sent by the rank holding it when its own node does not have it (collective)."""
+    moved = sorted(rank for rank, giver in givers.items() if giver != rank)
+    run.state = run.memory.load(*run.memory.fetch(step, givers, parts), run.model, run.optimizer)
+    run.resumed_tier = "memory-peer" if moved else "memory-local"
+    run.loader.load_state_dict(run.state.data or {})
+    sent = f"; the part(s) of rank(s) {moved} sent by the rank(s) holding them" if moved else ""
+    log.info("resumed from step %d (memory snapshot in %s%s; newest durable checkpoint: %s)", run.state.step,
+             run.memory.dir, sent, "none" if durable is None else f"step {durable}")
 
 
 # ---------------------------------------------------------------------- the step and what follows it
@@ -336,6 +377,7 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
         run.eval_loss = run.evaluator.run(run.model)
     if run.metrics.should_log(step):
         log_record(run, step, result, evaluated)
+    exchange_records(run, step)
     final = step == cfg.train.steps
     saved = run.checkpointer.should_save(step, final)
     if saved:
@@ -345,7 +387,10 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
                                      required=final)
         if path is not None:  # else: a periodic save failed, and said so
             log.info("checkpoint step %d -> %s (%.2fs blocking)", step, path, run.checkpointer.last_blocking_s)
-    if not final and run.preemption.requested(info.world, info.device):
+    if run.memory is not None and run.memory.due(step) and not final:
+        state.data = run.loader.state_dict()
+        run.memory.snapshot(state, run.model, run.optimizer)
+    if run.preemption.agreed(step, info.world, info.device, last=final):
         emergency_checkpoint(run, saved)
     run.heartbeat.beat("train")
     trace = run.profiler.after_step(step)
@@ -354,23 +399,80 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
 
 
 def log_record(run: Run, step: int, result: StepResult, evaluated: bool) -> None:
-    """One metrics.jsonl record for the steps since the previous one (collective: means over ranks)."""
-    parts = run.window.means()
-    tokens_per_s = run.tokens_per_step / parts["step_time_s"]
-    record = {
-        "step": step, "lr": lr_at(step, run.cfg), "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
-        "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * run.info.world) if run.peak_flops else 0.0,
-        "mem_mb": memory_mb(run.info.device), **parts, "tokens": run.state.tokens_seen,
-        "skipped_steps": run.guard.total, "time": time.time(),
-    }
-    if evaluated:
-        record["eval_loss"] = run.eval_loss
-    run.metrics.log(record)
+    """Close the log window: its metrics.jsonl record is written once the other ranks' numbers are in
+    (`exchange_records`: means over ranks, each rank's own work, straggler scores)."""
+    window = run.window.close()
+    lr, mem_mb, tokens, skipped, now = (lr_at(step, run.cfg), memory_mb(run.info.device), run.state.tokens_seen,
+                                        run.guard.total, time.time())
+    eval_loss, first = run.eval_loss, step - window.steps <= run.start_step  # (a run's first step: its one-off
+    #                                                                       costs differ between ranks)
+
+    def write(parts: dict) -> None:
+        tokens_per_s = run.tokens_per_step / parts["step_time_s"]
+        mfu = run.flops_per_token * tokens_per_s / (run.peak_flops * run.info.world) if run.peak_flops else 0.0
+        record = {"step": step, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "mem_mb": mem_mb, **parts, "tokens": tokens, "skipped_steps": skipped, "time": now}
+        if evaluated:
+            record["eval_loss"] = eval_loss
+        if run.stragglers.enabled:
+            scores, changes = run.stragglers.update(parts["rank_work_s"], window.steps, window.elapsed_s,
+                                                    judged=not first)
+            record["straggler_score"] = [round(score, 3) for score in scores]
+            record["stragglers"] = sorted(run.stragglers.flagged)
+            for change in changes:
+                report_straggler(run, step, change)
+        run.metrics.log(record)
+
+    run.records.add(window, write)
     run.window.restart()
+
+
+def exchange_records(run: Run, step: int, now: bool = False) -> None:
+    """Exchange the closed log windows' numbers between the ranks and write their records (collective:
+    every rank, every step boundary, deciding alike). A blocking gather per log step cost more than the
+    rest of a small step's bookkeeping, so the ranks exchange them at the preemption check steps only
+    (about every 0.25 s on fast steps, every step on slow ones: trainer.fault), asynchronously: a check
+    writes the records sent at the previous one. `now`, and at a step whose state may be committed at
+    this boundary (`commits_at`), every record is written before going on: a step that is not redone
+    after a failure must have its record on disk before its checkpoint is. The time this takes is not
+    counted in the current log window."""
+    now = now or run.info.world == 1 or commits_at(run, step)
+    if not (now or run.preemption.checks_at(step)):
+        return
+    start = time.perf_counter()
+    run.records.receive()  # sent at the previous check: finished since
+    run.records.send()
+    if now or run.preemption.blocking:
+        run.records.receive()
+    run.window.started += time.perf_counter() - start
+
+
+def commits_at(run: Run, step: int) -> bool:
+    """Whether the state of `step` may be committed at this boundary: a checkpoint save, a memory
+    snapshot, the end of the run (the emergency checkpoint writes the pending record itself)."""
+    final = step == run.cfg.train.steps
+    return final or run.checkpointer.should_save(step, final) or (run.memory is not None and run.memory.due(step))
+
+
+def report_straggler(run: Run, step: int, change: Change) -> None:
+    """Say once (rank 0: log and ledger) that a rank became a straggler, or stopped being one."""
+    if not run.info.is_main:
+        return
+    f = run.cfg.fault
+    what = (f"rank {change.rank} {'is a straggler' if change.status == 'slow' else 'is no longer a straggler'}: "
+            f"{change.time_s:.4f}s of its own work per step over the last {change.period_s:.0f}s, "
+            f"{change.score:.2f}x the other ranks' median {change.others_s:.4f}s "
+            f"(fault.straggler_factor={f.straggler_factor:g})")
+    (log.warning if change.status == "slow" else log.info)("step %d: %s", step, what)
+    protocol.append_event(run.cfg.run.dir, "straggler", rank=change.rank, status=change.status, step=step,
+                          score=round(change.score, 3), work_s=round(change.time_s, 6),
+                          others_median_s=round(change.others_s, 6), period_s=round(change.period_s, 3),
+                          factor=f.straggler_factor)
 
 
 def emergency_checkpoint(run: Run, saved: bool) -> None:
     """SIGTERM reached some rank: commit this step (or let its async save commit), then stop."""
+    exchange_records(run, run.state.step, now=True)  # the records, before the checkpoint
     run.heartbeat.beat("preempt", signalled=run.preemption.received)  # the launcher names the rank that got it
     if saved:
         run.checkpointer.wait()  # an async save of this very step: let it commit
@@ -390,6 +492,8 @@ def finish(run: Run) -> dict:
     if trace is not None:
         log.info("profiler trace -> %s", trace)
     run.checkpointer.wait()
+    if run.memory is not None:
+        run.memory.close(remove=True)  # the run is over: its snapshots go
     release(run)
     cfg, info = run.cfg, run.info
     wall = time.perf_counter() - run.started
@@ -426,7 +530,7 @@ def release(run: Run, clean: bool = True) -> None:
     if run.closed:
         return
     run.closed = True
-    closers = [run.loader.close, lambda: run.checkpointer.close(wait=clean),
+    closers = [run.loader.close, lambda: run.checkpointer.close(wait=clean), run.memory and run.memory.close,
                run.metrics and (lambda: run.metrics.close(clean)),
                run.comm and run.comm.close]
     for close in filter(None, closers):

@@ -4,17 +4,21 @@ display on rank 0."""
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from trainer.protocol import append_jsonl
+from trainer.protocol import open_jsonl
+from trainer.startup import remembered
 
 if TYPE_CHECKING:
     from trainer.wandb_log import WandbLog
@@ -73,7 +77,9 @@ def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[fl
         name = torch.cuda.get_device_name(device)
         key, peak = nominal_gpu_peak(name)
         return (peak, f"{key} bf16 dense") if peak else (0.0, f"unknown GPU {name!r}: set log.peak_tflops")
-    return measure_matmul_peak(), f"measured fp32 matmul, {torch.get_num_threads()} thread(s)"
+    threads = torch.get_num_threads()  # measured at this launcher's first start, by each local rank
+    key = f"peak-cpu-fp32-{threads}-threads-rank-{os.environ.get('LOCAL_RANK', '0')}"
+    return remembered(key, measure_matmul_peak), f"measured fp32 matmul, {threads} thread(s)"
 
 
 def memory_mb(device: torch.device) -> float:
@@ -156,12 +162,35 @@ def with_other(parts: dict[str, float]) -> dict[str, float]:
     return {**parts, "other_s": max(parts["step_time_s"] - measured, 0.0)}
 
 
+@dataclass
+class ClosedWindow:
+    """A log window as this rank saw it; `row` is what the ranks exchange: [loss, data wait per step,
+    *phases per step]."""
+
+    phases: list[str]  # the StepTimer's phases in `row`, after loss and data wait
+    row: list[float]
+    steps: int
+    elapsed_s: float  # this rank's wall time of the window
+
+    def means(self, rows: list[list[float]]) -> dict:
+        """With every rank's row: {loss, step_time_s, data_wait_s, fwd_bwd_s, optim_s[, comm_wait_s],
+        other_s} per step, averaged over ranks (step_time_s is this rank's), and `rank_work_s`: each
+        rank's own work per step (data wait + forward/backward + optimizer, without waiting in
+        collectives where comm_wait_s is measured), by rank."""
+        loss, wait, *means = (sum(column) / len(rows) for column in zip(*rows, strict=True))
+        out = {"loss": loss, "step_time_s": self.elapsed_s / self.steps, "data_wait_s": wait,
+               **dict(zip(self.phases, means, strict=True))}
+        own = [i for i, key in enumerate(self.phases, start=2) if key in ("fwd_bwd_s", "optim_s")]
+        work = [row[1] + sum(row[i] for i in own) for row in rows]
+        return {**with_other(out), "rank_work_s": [round(w, 6) for w in work]}
+
+
 class LogWindow:
     """The steps one metrics.jsonl record summarizes (those since the previous record): loss, data
-    wait and wall time, with the StepTimer's phases. `means()` is collective (means over ranks)."""
+    wait and wall time, with the StepTimer's phases."""
 
-    def __init__(self, timer: StepTimer, world_mean: Callable[[list[float]], list[float]]) -> None:
-        self.timer, self.world_mean = timer, world_mean
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
         self.data_wait_total = 0.0  # this rank's, over the whole run
         self.restart()
 
@@ -174,17 +203,44 @@ class LogWindow:
         self.data_wait += data_wait
         self.steps += 1
 
-    def means(self) -> dict[str, float]:
-        """{loss, step_time_s, data_wait_s, fwd_bwd_s, optim_s[, comm_wait_s], other_s} per step, averaged
-        over ranks (step_time_s is this rank's). The window goes on until `restart()`, so that writing
-        the record is not counted in the next one."""
+    def close(self) -> ClosedWindow:
+        """This rank's numbers of the window (it goes on until `restart()`)."""
         elapsed = time.perf_counter() - self.started
         parts = self.timer.window()  # per-step seconds of this rank
         self.data_wait_total += self.data_wait
-        loss, wait, *means = self.world_mean([self.loss_sum / self.steps, self.data_wait, *parts.values()])
-        out = {"loss": loss, "step_time_s": elapsed / self.steps, "data_wait_s": wait / self.steps,
-               **dict(zip(parts, means, strict=True))}
-        return with_other(out)
+        return ClosedWindow(list(parts), [self.loss_sum / self.steps, self.data_wait / self.steps, *parts.values()],
+                            self.steps, elapsed)
+
+
+class PendingRecords:
+    """Closed log windows whose records wait for the other ranks' numbers. `send()` (collective) starts
+    one asynchronous gather of every window queued since the previous one; `receive()` waits for the
+    gather in flight and writes each window's record (`write(means)`, in step order). The loop decides
+    when, at the same steps on every rank: a gather per log step cost more than the rest of a small
+    step's bookkeeping."""
+
+    def __init__(self, gather: Callable[[list[float]], Callable[[], list[list[float]]]]) -> None:
+        self.gather = gather
+        self.queued: list[tuple[ClosedWindow, Callable[[dict], None]]] = []
+        self.in_flight: tuple[list[tuple[ClosedWindow, Callable[[dict], None]]], Callable] | None = None
+
+    def add(self, window: ClosedWindow, write: Callable[[dict], None]) -> None:
+        self.queued.append((window, write))
+
+    def send(self) -> None:
+        if self.queued:
+            batch, self.queued = self.queued, []
+            self.in_flight = (batch, self.gather([value for window, _ in batch for value in window.row]))
+
+    def receive(self) -> None:
+        if self.in_flight is None:
+            return
+        (batch, wait), self.in_flight = self.in_flight, None
+        rows, start = wait(), 0
+        for window, write in batch:
+            end = start + len(window.row)
+            write(window.means([row[start:end] for row in rows]))
+            start = end
 
 # metrics.jsonl key -> TensorBoard tag (and W&B key)
 TB_TAGS = {
@@ -215,6 +271,7 @@ class MetricsLog:
         self.wandb = wandb
         self.log_every, self.eval_every = log_every, eval_every
         self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = None  # opened at the first record, kept open (one write per record)
         self.tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -244,7 +301,9 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        append_jsonl(self.path, record)
+        if self._file is None:
+            self._file = open_jsonl(self.path)
+        self._file.write(json.dumps(record).encode() + b"\n")
         scalars = {tag: record[key] for key, tag in TB_TAGS.items() if isinstance(record.get(key), (int, float))}
         if self.tb is not None:
             for tag, value in scalars.items():
@@ -270,6 +329,9 @@ class MetricsLog:
 
     def close(self, clean: bool = True) -> None:
         """`clean`: the run ended without an error (W&B marks the run finished, else failed)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:

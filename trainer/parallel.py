@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -70,7 +71,24 @@ def _group_store(rank: int, world: int, timeout: timedelta) -> dist.Store | None
         return None
     if rank == 0:
         return tcp_store_server(host, port, world, timeout)
+    wait_listening(host, port, timeout.total_seconds())
     return dist.TCPStore(host, port, world, False, timeout)
+
+
+def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.01) -> bool:
+    """Wait (bounded) until something accepts connections on host:port. A TCPStore client that comes
+    before its server retries with growing waits (up to about a second on torch 2.13): a restarted rank
+    that reaches the group a moment before rank 0 would lose that second. A bare connection is harmless
+    to the store. False on timeout (the store's own connect then reports the error)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(min(1.0, deadline - time.monotonic()), 0.01)).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
 
 def init_distributed(cfg: DistConfig) -> DistInfo:
@@ -190,6 +208,22 @@ def all_reduce_mean(values: list[float], info: DistInfo) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=info.device)
     dist.all_reduce(t)
     return (t / info.world).tolist()
+
+
+def all_gather_rows(values: list[float], info: DistInfo) -> Callable[[], list[list[float]]]:
+    """Start gathering every rank's `values` (as many on every rank; one collective, asynchronous);
+    the returned function waits for them and gives them by rank."""
+    if info.world == 1:
+        return lambda: [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=info.device)
+    rows = torch.empty(info.world * len(values), dtype=torch.float64, device=info.device)
+    work = dist.all_gather_single(rows, mine, async_op=True)
+
+    def wait() -> list[list[float]]:
+        work.wait()
+        return rows.view(info.world, len(values)).tolist()
+
+    return wait
 
 
 def use_fused_adamw(cfg: DistConfig, device: torch.device) -> bool:

@@ -3,8 +3,9 @@
 Reads `RUN_DIR/metrics.jsonl` (one record per logged step, appended across restarts) and, when
 present, the launcher's `RUN_DIR/events.jsonl` (start, commit, failure, restart, resume, preempt,
 done). Writes a PNG (default `RUN_DIR/run.png`) with, against wall-clock minutes since the run
-started: train and eval loss; tokens/s; where the step time goes; and the failure/restart timeline,
-with the time from each failure to the next resume shaded on every panel.
+started: train and eval loss; tokens/s; where the step time goes; each rank's straggler score (its own
+work per step over the other ranks' median) when a rank was reported as a straggler; and the
+failure/restart timeline, with the time from each failure to the next resume shaded on every panel.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ BREAKDOWN_COLORS = {"data_wait_s": ("data wait", "#9467bd"), "fwd_bwd_s": ("forw
                     "other_s": ("other (eval, ckpt, log)", "#7f7f7f")}
 EVENT_STYLE = {"failure": ("#d62728", "x"), "restart": ("#ff7f0e", "o"), "resume": ("#2ca02c", "^"),
                "preempt": ("#9467bd", "v"), "commit": ("#1f77b4", "|"), "start": ("#000000", ">"),
-               "done": ("#000000", "s"), "checkpoint_failed": ("#e377c2", "x"), "fallback": ("#bcbd22", "<")}
+               "done": ("#000000", "s"), "checkpoint_failed": ("#e377c2", "x"), "fallback": ("#bcbd22", "<"),
+               "straggler": ("#8c564b", "D")}
 
 
 def lost_intervals(events: list[dict]) -> list[tuple[float, float]]:
@@ -53,8 +55,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     minutes = lambda t: (t - t0) / 60.0
 
     has_breakdown = any("fwd_bwd_s" in r for r in metrics)
-    rows = 3 + has_breakdown
-    heights = [3, 2] + ([2] if has_breakdown else []) + [1.2]
+    has_stragglers = any(e["event"] == "straggler" for e in events) and any("straggler_score" in r for r in metrics)
+    rows = 3 + has_breakdown + has_stragglers
+    heights = [3, 2] + ([2] if has_breakdown else []) + ([1.5] if has_stragglers else []) + [1.2]
     fig, axes = plt.subplots(rows, 1, figsize=(10, 2.2 * rows + 1), sharex=True,
                              gridspec_kw={"height_ratios": heights})
     ax_loss, ax_tps, *rest = axes
@@ -63,6 +66,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     _throughput_panel(ax_tps, x, metrics)
     if has_breakdown:
         _breakdown_panel(rest[0], x, metrics)
+    if has_stragglers:
+        _straggler_panel(rest[-2], metrics, events, minutes)
     for ax in axes:
         for a, b in lost_intervals(events):
             ax.axvspan(minutes(a), minutes(b), color="#d62728", alpha=0.12, lw=0)
@@ -110,6 +115,25 @@ def _breakdown_panel(ax, x: list[float], metrics: list[dict]) -> None:
     ax.grid(alpha=0.3)
 
 
+def _straggler_panel(ax, metrics: list[dict], events: list[dict], minutes) -> None:
+    """The straggler score (own work per step over the other ranks' median) of each rank the ledger
+    named as a straggler, the highest score of the others, and the factor that makes a rank slow."""
+    scored = [r for r in metrics if r.get("straggler_score")]
+    x = [minutes(r["time"]) for r in scored]
+    named = sorted({e["rank"] for e in events if e["event"] == "straggler" and "rank" in e})
+    for rank in named:
+        ax.plot(x, [r["straggler_score"][rank] if rank < len(r["straggler_score"]) else float("nan") for r in scored],
+                lw=0.9, label=f"rank {rank}")
+    rest = [max((v for i, v in enumerate(r["straggler_score"]) if i not in named), default=float("nan"))
+            for r in scored]
+    ax.plot(x, rest, lw=0.8, color="#7f7f7f", label="highest of the other ranks")
+    for factor in {e.get("factor") for e in events if e["event"] == "straggler" and e.get("factor")}:
+        ax.axhline(factor, color="#8c564b", lw=0.8, ls=":")
+    ax.set_ylabel("straggler score")
+    ax.legend(loc="upper right", fontsize=7, ncol=4)
+    ax.grid(alpha=0.3)
+
+
 def _events_panel(ax, events: list[dict], minutes, marked: tuple) -> None:
     """The ledger's timeline; failures, restarts, resumes and preemptions also as lines on `marked`."""
     for name, (color, marker) in EVENT_STYLE.items():
@@ -126,6 +150,10 @@ def _events_panel(ax, events: list[dict], minutes, marked: tuple) -> None:
         if e["event"] == "failure":
             ax.annotate(f"rank {e.get('rank', '?')} {e.get('cause', '?')}", (minutes(e["time"]), 0), xytext=(2, 8),
                         textcoords="offset points", fontsize=7, color="#d62728", rotation=30)
+        elif e["event"] == "straggler":
+            ax.annotate(f"rank {e.get('rank', '?')} {e.get('status', '?')} {e.get('score', 0):.1f}x",
+                        (minutes(e["time"]), 0), xytext=(2, 8), textcoords="offset points", fontsize=7,
+                        color="#8c564b", rotation=30)
         elif e["event"] == "resume" and "lost_steps" in e:
             ax.annotate(f"step {e.get('step', '?')}, lost {e['lost_steps']}", (minutes(e["time"]), 0),
                         xytext=(2, -14), textcoords="offset points", fontsize=7, color="#2ca02c")

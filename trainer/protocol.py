@@ -3,7 +3,7 @@ the heartbeat record each rank rewrites, and the `events.jsonl` ledger. Torch-fr
 and `--help` stay light.
 
 Heartbeat file: one per rank in `$REKINDLE_HEARTBEAT_DIR/rank-<r>.json`, a fixed-size JSON record
-rewritten in place (one `pwrite`, no rename) after every step and at each phase change:
+rewritten in place (one `pwrite`, no rename) once per step and at each phase change:
 `{pid, rank, attempt, phase, step, t, t_proc, t_load, t_loaded, t_first, resumed_step, busy_s, steps_run}`.
 `t_*` are unix times: process start, checkpoint load start/end, first step done in this attempt.
 On a preemption the record also says whether this rank itself got SIGTERM (`signalled`).
@@ -18,7 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from trainer.process import process_start_time
 
@@ -29,6 +29,7 @@ RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchelastic's: the worker g
 FAIL_AT_ENV = "REKINDLE_FAIL_AT"  # "step[:rank]": raise at that step (every attempt): a deterministic crash
 HANG_AT_ENV = "REKINDLE_HANG_AT"  # "step[:rank]": spin forever at that step (first attempt only)
 CRASH_AT_ENV = "REKINDLE_CRASH_AT"  # "point@step[:rank]": a fault inside a checkpoint save (trainer.fault)
+SLOW_RANK_ENV = "REKINDLE_SLOW_RANK"  # "rank:seconds[@first[-last]]": that rank sleeps in those steps (a straggler)
 
 # --- exit codes, of a rank and of the launcher
 EXIT_OK = 0
@@ -40,6 +41,7 @@ EXIT_STORAGE = 4  # storage (checkpoints, data) could not be used, or stalled, w
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after an emergency checkpoint; launch again to resume
 
 HEARTBEAT_BYTES = 512
+REFRESH_S = 1.0  # a heartbeat that changes nothing but its time is written at most this often
 EVENTS_FILE = "events.jsonl"
 
 
@@ -56,6 +58,16 @@ def injection_target(spec: str) -> tuple[int, int | None] | None:
     return int(step), (int(rank) if rank else None)
 
 
+def slow_rank(spec: str) -> tuple[int, float, int, int | None] | None:
+    """`rank:seconds[@first[-last]]` -> (rank, seconds, first step, last step or None); '' -> None."""
+    if not spec:
+        return None
+    target, _, steps = spec.partition("@")
+    rank, _, seconds = target.partition(":")
+    first, _, last = steps.partition("-")
+    return int(rank), float(seconds), int(first) if first else 1, int(last) if last else None
+
+
 def injected(spec: str, step: int, rank: int) -> bool:
     """Whether the fault-injection spec `step[:rank]` names this step on this rank."""
     target = injection_target(spec)
@@ -68,6 +80,7 @@ class Heartbeat:
     def __init__(self, rank: int) -> None:
         directory = os.environ.get(HEARTBEAT_DIR_ENV)
         self._fd: int | None = None
+        self._written = 0.0  # the record's `t` when it was last written
         self.record: dict[str, Any] = {
             "pid": os.getpid(), "rank": rank, "attempt": attempt(),
             "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
@@ -79,9 +92,14 @@ class Heartbeat:
             self._write()
 
     def beat(self, phase: str | None = None, step: int | None = None, **fields: Any) -> None:
+        """Update the record and rewrite it; a beat that would change nothing but the time `t` (the same
+        phase again, no step or field) is written only when the file is REFRESH_S old, so that the
+        record of a step is one write."""
         if self._fd is None:
             return
         now = time.time()
+        if not fields and step is None and phase in (None, self.record["phase"]) and now - self._written < REFRESH_S:
+            return
         if phase:
             self.record["phase"] = phase
         if step is not None:
@@ -93,6 +111,7 @@ class Heartbeat:
 
     def _write(self) -> None:
         os.pwrite(self._fd, json.dumps(self.record).encode().ljust(HEARTBEAT_BYTES), 0)
+        self._written = self.record["t"]
 
     def close(self, phase: str = "done") -> None:
         if self._fd is not None:
@@ -114,17 +133,23 @@ def read_heartbeats(directory: str | Path) -> dict[int, dict]:
     return beats
 
 
-def append_jsonl(path: str | Path, record: dict) -> None:
-    """Append one record to a JSON-lines file in one O_APPEND write. A torn last line (a writer killed
-    mid-line) is ended first, so that it costs only itself and not the record after it."""
+def open_jsonl(path: str | Path) -> BinaryIO:
+    """Open a JSON-lines file to append records to, one unbuffered O_APPEND write each. A torn last line
+    (a writer killed mid-line) is ended first, so that it costs only itself and not the record after it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("ab+") as f:
-        torn = False
-        if f.seek(0, os.SEEK_END) > 0:
-            f.seek(-1, os.SEEK_END)
-            torn = f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + json.dumps(record).encode() + b"\n")
+    f = path.open("ab+", buffering=0)
+    if f.seek(0, os.SEEK_END) > 0:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
+    return f
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Append one record to a JSON-lines file (`open_jsonl`)."""
+    with open_jsonl(path) as f:
+        f.write(json.dumps(record).encode() + b"\n")
 
 
 def append_event(run_dir: str | Path, event: str, **fields: Any) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,12 @@ def micro_batches(batch: torch.Tensor | BatchWithPositions, size: int, cfg: Conf
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros: list[Micro], cfg: Config,
-               info: parallel.DistInfo, timer: StepTimer) -> StepResult:
-    """Forward/backward over `micros` (gradients synced on the last), clip, and step unless non-finite."""
+               info: parallel.DistInfo, timer: StepTimer, delay_s: float = 0.0) -> StepResult:
+    """Forward/backward over `micros` (gradients synced on the last), clip, and step unless non-finite.
+    `delay_s`: sleep that long in the forward/backward phase (an injected straggler, trainer.fault.slowdown)."""
     timer.start()
+    if delay_s:
+        time.sleep(delay_s)
     step_loss = torch.zeros((), device=info.device)
     for i, (micro, positions, mask) in enumerate(micros):
         parallel.set_gradient_sync(model, i == len(micros) - 1)

@@ -264,7 +264,11 @@ def test_signal_while_waiting_for_other_nodes_stops_the_launcher(cache_dir, tmp_
     """--nnodes 2 with only one launcher: it waits in the rendezvous (join timeout 900s); SIGINT ends it."""
     proc = launch(tmp_path, ["train.steps=4"], nproc=1,
                   extra_args=["--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone"])
-    time.sleep(4.0)
+    deadline = time.time() + 60  # its start (imports: seconds on a busy machine), then into the rendezvous
+    while not any(e["event"] == "start" for e in read_events(tmp_path)) and time.time() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.1)
+    time.sleep(2.0)
     assert proc.poll() is None
     signalled = time.time()
     os.kill(proc.pid, signal.SIGINT)

@@ -107,6 +107,8 @@ def test_a_preemption_names_the_rank_that_got_the_signal():
     beats = {0: {"step": 5}, 1: {"step": 5, "signalled": True}}
     failure, _ = failures.from_exits(exits, set(), beats, 0)
     assert (failure.rank, failure.cause, failure.step) == (1, "preemption", 6)
+    beats[1]["signalled"] = True  # rank 0 exited first and ended the group, rank 1 had not exited yet
+    assert failures.from_exits({0: exits[0]}, set(), beats, 0)[0].rank == 1
     beats[1]["signalled"] = False  # nobody on this node got it (the signal went to another node's rank)
     assert failures.from_exits(exits, set(), beats, 0)[0].rank == 0
 

@@ -26,6 +26,8 @@ The package, by job:
   spool         local copies of a remote step's verified files, for the load to read
   staging       async saves: the background copy into a reused CPU buffer, and the write
   checkpointer  Checkpointer: the collective save / commit / discover / load
+  memory        the memory tier (checkpoint.memory_every): each rank's shard in node-local memory every few
+                steps, copies on the next node, the restore plan; a restart prefers it when it is newer
 Fault injection for tests (`REKINDLE_CRASH_AT`) is in trainer.fault.
 """
 

@@ -1,0 +1,84 @@
+"""The memory tier's files, in this process: a snapshot restores model, optimizer, RNG and train state
+bit for bit; three slots rotate; a slot without its header (a rank killed mid-write), a flipped bit,
+another run, config or world size is never used; a failed write is a warning, not an error."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers import assert_same, trained
+from trainer.checkpoint import TrainState
+from trainer.checkpoint.memory import MemoryTier
+
+
+def tier(tmp_path, run: str = "run-a", config: str = "cfg-1", world: int = 1, failures: list | None = None):
+    return MemoryTier(str(tmp_path / "shm"), run, config, rank=0, world=world, every=1,
+                      run_dir=str(tmp_path / "run"), on_failure=(failures.append if failures is not None else None))
+
+
+def steps(memory: MemoryTier) -> list[int]:
+    return sorted(step for _, step in memory.scan())
+
+
+def test_a_snapshot_restores_the_state_bit_for_bit(tmp_path):
+    saved = trained(0)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    memory = tier(tmp_path)
+    memory.snapshot(TrainState(step=7, tokens_seen=70, data={"samples": 56}), *saved)
+    memory.wait()
+    found = memory.scan()
+    assert sorted(found) == [(0, 7)] and memory.plan(found) == (7, {0: 0})
+    fresh = trained(1)
+    torch.manual_seed(999)
+    state = memory.load(*memory.fetch(7, {0: 0}, found), *fresh)
+    assert (state.step, state.tokens_seen, state.data) == (7, 70, {"samples": 56})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert_same(saved, fresh)
+    memory.close(remove=True)
+    assert not any((tmp_path / "shm").iterdir())
+
+
+def test_slots_rotate_and_a_torn_or_flipped_one_is_skipped(tmp_path, caplog):
+    model, opt = trained(0)
+    memory = tier(tmp_path)
+    for step in range(1, 6):
+        memory.snapshot(TrainState(step=step), model, opt)
+        memory.wait()
+    assert steps(memory) == [3, 4, 5]  # three slots: the newest two complete ones and one more
+    binary, head = memory._paths(memory._slot(5))
+    head.unlink()  # what a rank killed in the middle of writing step 5 leaves
+    data = bytearray(memory._paths(memory._slot(4))[0].read_bytes())
+    data[-1] ^= 0x10
+    memory._paths(memory._slot(4))[0].write_bytes(bytes(data))
+    assert steps(memory) == [3]
+    assert "fails its checksum" in caplog.text
+
+
+def test_another_run_config_or_world_size_is_never_loaded(tmp_path, caplog):
+    model, opt = trained(0)
+    memory = tier(tmp_path)
+    memory.snapshot(TrainState(step=3), model, opt)
+    memory.close()
+    assert steps(tier(tmp_path, config="cfg-2")) == []
+    assert "written with another config" in caplog.text
+    assert steps(tier(tmp_path, world=2)) == []
+    assert "world 1, this run's is 2" in caplog.text
+    # A new run id of the same run.dir: the earlier run's snapshots are removed, not loaded.
+    other = tier(tmp_path, run="run-b")
+    assert steps(other) == [] and not (tmp_path / "shm" / "run-a").exists()
+
+
+def test_a_failed_write_is_said_once_and_training_goes_on(tmp_path):
+    model, opt = trained(0)
+    failures: list[str] = []
+    memory = tier(tmp_path, failures=failures)
+    for slot in (1, 2):
+        memory._paths(slot)[0].mkdir()  # the .bin cannot be opened for writing: every such write fails
+    for step in (1, 2):
+        memory.snapshot(TrainState(step=step), model, opt)
+        memory.wait()
+    assert len(failures) == 1 and "Is a directory" in failures[0], failures
+    memory.snapshot(TrainState(step=3), model, opt)  # slot 0
+    memory.wait()
+    assert steps(memory) == [3] and memory.failed_in_a_row == 0
