@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -100,7 +101,8 @@ class Lease:
                 return False
             return True
         path = storage.local_path(p)
-        tmp = f"{path}.new-{os.getpid()}"
+        # Unique per creator: two hosts on one shared file system (or two threads) may have the same pid.
+        tmp = f"{path}.new-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         with open(tmp, "wb") as f:
             f.write(self._record())
         try:

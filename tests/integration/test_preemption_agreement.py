@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from trainer import fault
 from trainer.testing import free_port
 
-# name: (steps, seconds per step at most, the rank that gets SIGTERM and in which step)
+# name: (steps, seconds per step at least (at most 1.5x that), the rank that gets SIGTERM and in which step)
 PHASES = {
     "fast steps": (120, 0.01, (1, 40)),
     "slow steps": (6, fault.BLOCK_ABOVE_S + 0.05, (2, 5)),
@@ -35,11 +35,11 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
     for name, (steps, step_s, target) in PHASES.items():
         flag, stopped = fault.PreemptionFlag(), None
         for step in range(1, steps + 1):
-            time.sleep(rng.uniform(0.5, 1.0) * step_s / 2)  # uneven compute, a collective, more compute
+            time.sleep(rng.uniform(1.0, 1.5) * step_s / 2)  # uneven compute, a collective, more compute
             dist.all_reduce(torch.ones(8))
             if (rank, step) == target:
                 os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(rng.uniform(0.5, 1.0) * step_s / 2)
+            time.sleep(rng.uniform(1.0, 1.5) * step_s / 2)
             if flag.agreed(step, world, torch.device("cpu"), last=step == steps):
                 stopped = step
                 break

@@ -149,7 +149,8 @@ class MemoryTier:
         owner = {"run_dir": str(Path(run_dir).resolve())}
         if not (self.dir / OWNER).exists():
             storage.write_file(storage.filesystem(str(self.dir))[0], str(self.dir / OWNER), json.dumps(owner).encode())
-        self._sweep(owner)
+        if rank % self.local_world == 0:  # one rank per node sweeps (and rank 0 says so)
+            self._sweep(owner)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="memory")
         self._pending: Future | None = None
         self._hooked: set[int] = set()
