@@ -92,6 +92,7 @@ class TokenStream:
         if global_batch % world:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world}")
         self.shards, self.seq_len, self.global_batch = shards, seq_len, global_batch
+        self.manifest_sha256 = shards.manifest.sha256()  # in every state_dict (each memory snapshot's)
         self.seed, self.rank, self.world = seed, rank, world
         n_samples = (len(shards) - 1) // seq_len
         self.n_val = int(n_samples * val_fraction) if val_fraction > 0 else 0
@@ -208,7 +209,7 @@ class TokenStream:
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "order": f"{ORDER}/{self.shuffle_window}",
-            "manifest_sha256": self.shards.manifest.sha256(),
+            "manifest_sha256": self.manifest_sha256,
             "n_train": self.n_train,  # set by data.val_fraction: the epoch length and the held-out samples
             "epoch": self.epoch,
         }

@@ -68,7 +68,8 @@ class Ledger:
         lost = max(previous - a.resumed_step, 0)
         resume = {
             "step": a.resumed_step, "lost_steps": lost, "reason": a.reason,
-            "tier": beat.get("resumed_tier", "durable"),  # memory | durable | none (started over)
+            "tier": beat.get("resumed_tier", "durable"),  # memory-local | memory-peer | durable | none
+            "tier_why": beat.get("tier_why", ""),
             "recovery_s": round(beat["t_first"] - since, 3), "restart_s": round(beat["t_load"] - since, 3),
             "spawn_s": round(beat["t_proc"] - since, 3),  # stop the group, rendezvous, fork/exec
             "startup_s": round(beat["t_load"] - beat["t_proc"], 3),  # import torch, join the group, build the model

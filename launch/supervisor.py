@@ -138,7 +138,8 @@ class Supervisor:
             log.info(f"resumed at step {event['step']} from the {event['tier']} tier: {event['lost_steps']} step(s) "
                      f"lost, recovery "
                      f"{event['recovery_s']:.1f}s (restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, "
-                     f"first step {event['first_step_s']:.1f}s)")
+                     f"first step {event['first_step_s']:.1f}s)"
+                     + (f"; {event['tier_why']}" if "memory tier is off" not in event["tier_why"] else ""))
 
     def _on_failure(self, failure: Failure, tb: str) -> None:
         record = self.ledger.failure(attempt=self.attempt, rank=failure.rank, cause=failure.cause, step=failure.step,

@@ -43,6 +43,7 @@ import torch
 
 from trainer import config as config_
 from trainer import host
+from trainer.checkpoint import memory as memory_tier
 from trainer.metrics import (
     BREAKDOWN,
     GPU_PEAK_BF16,
@@ -234,10 +235,11 @@ class Bench:
         if "memory" in self.skip or (self.cores < 2 and not self.cuda):
             return
         print(f"\n## memory tier (2 ranks x 1 thread, checkpoint.memory_every=1 vs off, {self.rounds} round(s) "
-              "alternating; the snapshots go to a temporary directory)")
-        on, off = [], []
+              "alternating; the snapshots go where they go by default, a temporary directory under "
+              f"{os.path.dirname(memory_tier.default_dir())})")
+        on, off, parent = [], [], os.path.dirname(memory_tier.default_dir())
         for i in range(self.rounds):
-            with tempfile.TemporaryDirectory(prefix="bench-memory-") as shm:
+            with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=parent) as shm:
                 for label, extra, into in (("off", [], off), ("on", ["checkpoint.memory_every=1",
                                                                      f"checkpoint.memory_dir={shm}"], on)):
                     r = run_trainer(self.config, [*self.args.overrides, *extra], self.steps, self.window, nproc=2)

@@ -4,10 +4,15 @@ check the result against an uninterrupted run of the same config and print what 
     python scripts/chaos.py configs/smoke.yaml --kills 5 --interval 60 train.steps=6000
 
 Signals: SIGKILL (crash), SIGSTOP (hang: found by the watchdog after fault.hang_timeout_s) and
-SIGTERM to one rank (preemption: the ranks commit an emergency checkpoint and exit 75). At the end:
+SIGTERM to one rank (preemption: the ranks commit an emergency checkpoint and exit 75). With
+`--nodes N` (N launchers on loopback, one rendezvous, each with its own memory directory) there is
+also NODE, a lost node: one launcher and its ranks SIGKILLed, its memory directory deleted, and a
+replacement launcher started with an empty one (node 0 hosts the rendezvous store and is never the
+one lost). The reference run is one launcher with the same world size. At the end:
 per-step losses and final parameters compared bit for bit with the reference run (CPU, same world
 size), each recovery split into detection (kill -> failure noticed), restart (kill the group,
-rendezvous, spawn, import, build), checkpoint load and first step, and the run's goodput."""
+rendezvous, spawn, import, build), checkpoint load and first step, the tier the state came from
+(memory-local, memory-peer, durable) and the lost steps, and the run's goodput."""
 
 from __future__ import annotations
 
@@ -28,32 +33,91 @@ from trainer.protocol import read_events, read_heartbeats, read_jsonl
 REPO = Path(__file__).resolve().parents[1]
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
+KINDS = [*SIGNALS, "NODE"]  # NODE: a lost node (--nodes >= 2)
 
 
 def signal_names(text: str) -> list[str]:
     """--signals: checked before the (long) reference run starts, not at the first kill."""
     names = [s.strip().upper().removeprefix("SIG") for s in text.split(",") if s.strip()]
-    unknown = sorted(set(names) - set(SIGNALS))
+    unknown = sorted(set(names) - set(KINDS))
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown signal(s) {unknown or text!r}: use {', '.join(SIGNALS)}")
+        raise argparse.ArgumentTypeError(f"unknown signal(s) {unknown or text!r}: use {', '.join(KINDS)}")
     return names
 
 
-def launcher(config: str, run_dir: Path, nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "launch", f"--nproc-per-node={nproc}", config, f"run.dir={run_dir}",
+def launcher(config: str, run_dir: Path, nproc: int, overrides: list[str], log: Path,
+             node_args: list[str] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "launch", f"--nproc-per-node={nproc}", *node_args, config, f"run.dir={run_dir}",
            "log.progress=false", "train.log_every=1", *overrides]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def steady_beats(run_dir: Path, min_steps: int) -> dict[int, dict] | None:
-    """Heartbeats of the current attempt once every rank has run min_steps steps in it."""
-    for directory in run_dir.glob("heartbeats-*"):
-        beats = read_heartbeats(directory)
-        if beats and len({b["attempt"] for b in beats.values()}) == 1 and \
-                all(b["phase"] == "train" and b["steps_run"] >= min_steps for b in beats.values()):
-            return beats
+class Nodes:
+    """The chaos run's launchers, one per node, on loopback: node 0 hosts the rendezvous; each node has
+    its own memory directory under the run's, as separate machines would."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: Path, log: Path, overrides: list[str]) -> None:
+        self.args, self.run_dir, self.log, self.overrides = args, run_dir, log, overrides
+        self.node_args: list[str] = []
+        if args.nodes > 1:
+            self.node_args = [f"--nnodes={args.nodes}", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                              "--rdzv-id=chaos"]
+        self.procs = [self.start(node) for node in range(args.nodes)]
+
+    def memory_dir(self, node: int) -> Path:
+        return self.run_dir.parent / f"{self.run_dir.name}-memory-node{node}"
+
+    def start(self, node: int) -> subprocess.Popen:
+        overrides = self.overrides
+        if self.args.nodes > 1:
+            overrides = [*overrides, f"checkpoint.memory_dir={self.memory_dir(node)}"]
+        proc = launcher(self.args.config, self.run_dir, self.args.nproc, overrides, self.log, self.node_args)
+        if node == 0 and self.args.nodes > 1:
+            time.sleep(1.0)  # the first launcher hosts the rendezvous store
+        return proc
+
+    def running(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def beats(self) -> dict[int, dict]:
+        """Every rank's heartbeat from the live launchers' directories (a lost launcher's stays behind)."""
+        beats: dict[int, dict] = {}
+        for proc in self.procs:
+            for directory in self.run_dir.glob(f"heartbeats-*-{proc.pid}-*"):
+                beats.update(read_heartbeats(directory))
+        return beats
+
+    def lose(self, node: int) -> None:
+        """A lost node: the launcher and its ranks SIGKILLed, its memory gone; a replacement joins."""
+        os.killpg(self.procs[node].pid, signal.SIGKILL)
+        self.procs[node].wait(timeout=60)
+        shutil.rmtree(self.memory_dir(node), ignore_errors=True)
+        self.procs[node] = self.start(node)
+
+    def wait(self, deadline: float) -> int:
+        """The first launcher's exit code, once every launcher has exited (the worst one if it is 0)."""
+        codes = [p.wait(timeout=max(deadline - time.time(), 1)) for p in self.procs]
+        return codes[0] or max(codes, key=abs)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def steady_beats(nodes: Nodes, min_steps: int, old_pids: set[int]) -> dict[int, dict] | None:
+    """Every rank's heartbeat once each has run min_steps steps in a worker started after the last kill
+    (ranks are new processes after a restart; attempt numbers are per launcher)."""
+    beats = nodes.beats()
+    if len(beats) == nodes.args.nproc * nodes.args.nodes and \
+            all(b["pid"] not in old_pids and b["phase"] == "train" and b["steps_run"] >= min_steps
+                for b in beats.values()):
+        return beats
     return None
 
 
@@ -86,14 +150,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--interval", type=float, default=60.0, help="mean seconds of training between kills")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument("--nodes", type=int, default=1, help="launchers on loopback, one per node (NODE needs 2+)")
     p.add_argument("--signals", default="KILL,KILL,KILL,STOP,TERM", type=signal_names,
-                   help="comma-separated KILL, STOP, TERM (SIG prefix optional); drawn without replacement, "
-                        "then repeated")
+                   help="comma-separated KILL, STOP, TERM, NODE (SIG prefix optional); drawn without "
+                        "replacement, then repeated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/chaos")
     p.add_argument("--timeout", type=float, default=3600)
-    return p.parse_intermixed_args()
+    args = p.parse_intermixed_args()
+    if "NODE" in args.signals and args.nodes < 2:
+        p.error("NODE (a lost node) needs --nodes 2 or more")
+    return args
 
 
 def kill_plan(signals: list[str], kills: int, rng: random.Random) -> list[str]:
@@ -106,22 +174,19 @@ def kill_plan(signals: list[str], kills: int, rng: random.Random) -> list[str]:
     return plan[:kills]
 
 
-def next_victim(proc: subprocess.Popen, run_dir: Path, kills: list[dict], wait: float,
-                deadline: float) -> dict[int, dict] | None:
+def next_victim(nodes: Nodes, kills: list[dict], wait: float, deadline: float) -> dict[int, dict] | None:
     """Wait for a fresh attempt to train steadily, then `wait` seconds, then for a moment when every
     rank is training; the ranks' heartbeats then (None if the run ended first)."""
-    while proc.poll() is None and time.time() < deadline:  # steady state of a fresh attempt
-        beats = steady_beats(run_dir, min_steps=3)
-        if beats and (not kills or beats[0]["attempt"] > kills[-1]["attempt"]):
-            break
-        time.sleep(0.1)
+    old_pids = kills[-1]["pids"] if kills else set()
+    while nodes.running() and time.time() < deadline and not steady_beats(nodes, 3, old_pids):
+        time.sleep(0.1)  # steady state of a fresh attempt
     start = time.time()
-    while proc.poll() is None and time.time() - start < wait:
+    while nodes.running() and time.time() - start < wait:
         time.sleep(0.1)
     beats = None  # a rank may be between steps (checkpoint, eval): wait until every rank is training
-    while proc.poll() is None and time.time() < deadline and not beats:
-        beats = steady_beats(run_dir, min_steps=1) or time.sleep(0.02)
-    return beats if proc.poll() is None else None
+    while nodes.running() and time.time() < deadline and not beats:
+        beats = steady_beats(nodes, 1, old_pids) or time.sleep(0.02)
+    return beats if nodes.running() else None
 
 
 def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: random.Random) -> tuple[int, list]:
@@ -130,21 +195,30 @@ def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: rand
     if not any(o.startswith("fault.max_restarts=") for o in args.overrides):
         # The run is here to recover from every kill, not to spend the default restart budget (10).
         overrides = [*args.overrides, f"fault.max_restarts={args.kills + 5}"]
-    proc = launcher(args.config, run_dir, args.nproc, overrides, log)
+    nodes = Nodes(args, run_dir, log, overrides)
     kills: list[dict] = []
     deadline = time.time() + args.timeout
     for name in kill_plan(args.signals, args.kills, rng):
-        beats = next_victim(proc, run_dir, kills, rng.uniform(0.5, 1.5) * args.interval, deadline)
+        beats = next_victim(nodes, kills, rng.uniform(0.5, 1.5) * args.interval, deadline)
         if not beats:
             print("[chaos] the run ended before all kills were made")
             break
+        if name == "NODE":
+            node = rng.randrange(1, args.nodes)
+            rank, beat = node * args.nproc, beats[node * args.nproc]
+            kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
+                          "pids": {b["pid"] for b in beats.values()}})
+            nodes.lose(node)
+            print(f"[chaos] node {node} lost (launcher and ranks SIGKILLed, memory deleted) at step "
+                  f"{beat['step']}; a replacement joins", flush=True)
+            continue
         rank = rng.randrange(len(beats))
         beat = beats[rank]
         os.kill(beat["pid"], SIGNALS[name])
         kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
-                      "attempt": beat["attempt"]})
+                      "pids": {b["pid"] for b in beats.values()}})
         print(f"[chaos] SIG{name} -> rank {rank} (pid {beat['pid']}) at step {beat['step']}", flush=True)
-    return proc.wait(timeout=max(deadline - time.time(), 1)), kills
+    return nodes.wait(deadline), kills
 
 
 def recoveries(kills: list[dict], events: list[dict]) -> list[dict]:
@@ -162,24 +236,34 @@ def recoveries(kills: list[dict], events: list[dict]) -> list[dict]:
         rows.append({**kill, "cause": failure["cause"], "detection_s": detect, "restart_s": resume["restart_s"],
                      "spawn_s": resume["spawn_s"], "startup_s": resume["startup_s"],
                      "load_s": resume["load_s"], "first_step_s": resume["first_step_s"],
-                     "recovery_s": detect + resume["recovery_s"], "lost_steps": resume["lost_steps"]})
+                     "recovery_s": detect + resume["recovery_s"], "lost_steps": resume["lost_steps"],
+                     "tier": resume.get("tier", "durable")})
     return rows
 
 
+def kind_name(kind: str) -> str:
+    return kind if kind == "NODE" else f"SIG{kind}"
+
+
 def print_recoveries(rows: list[dict]) -> None:
-    print("\n signal  rank   step  cause       detect  restart   load  1st step  recovery  lost steps")
+    print("\n signal  rank   step  cause       detect  restart   load  1st step  recovery  lost steps  tier")
     for r in rows:
         if "cause" not in r:
-            print(f" SIG{r['signal']:<4} {r['rank']:>4} {r['step']:>6}  (no recovery recorded)")
+            print(f" {kind_name(r['signal']):<7} {r['rank']:>4} {r['step']:>6}  (no recovery recorded)")
             continue
-        print(f" SIG{r['signal']:<4} {r['rank']:>4} {r['step']:>6}  {r['cause']:<10} {r['detection_s']:6.1f}s "
+        print(f" {kind_name(r['signal']):<7} {r['rank']:>4} {r['step']:>6}  {r['cause']:<10} {r['detection_s']:6.1f}s "
               f"{r['restart_s']:7.1f}s {r['load_s']:5.2f}s {r['first_step_s']:8.2f}s {r['recovery_s']:8.1f}s "
-              f"{r['lost_steps']:>10}")
+              f"{r['lost_steps']:>10}  {r['tier']}")
     recovered = [r for r in rows if "cause" in r]
     if not recovered:
         return
     median = statistics.median(r["recovery_s"] for r in recovered)
-    print(f"\nmedian recovery (kill -> first step after resume): {median:.1f}s (goal <= 8s)")
+    print(f"\nmedian recovery (kill -> first step after resume): {median:.2f}s (goal <= 1s)")
+    for kind in sorted({r["signal"] for r in recovered}):
+        mine = [r for r in recovered if r["signal"] == kind]
+        print(f"  {kind_name(kind):<7} median {statistics.median(r['recovery_s'] for r in mine):6.2f}s, lost steps "
+              f"{'/'.join(str(r['lost_steps']) for r in mine)} (goal <= 1 with memory_every=1), tiers "
+              f"{', '.join(sorted({r['tier'] for r in mine}))}")
     for part, what in (("detection_s", "kill -> failure noticed"),
                        ("restart_s", "failure -> checkpoint load starts, of which:"),
                        ("spawn_s", "  stop the group, rendezvous, start processes"),
@@ -199,11 +283,11 @@ def print_goals(rows: list[dict], run_dir: Path, events: list[dict], kills: int)
             ok = "ok" if r["detection_s"] <= hang_timeout + 2 else "MISSED"
             print(f"hang detected {r['detection_s']:.1f}s after SIGSTOP (goal <= hang_timeout_s + 2 = "
                   f"{hang_timeout + 2:.0f}s): {ok}")
-    done = next((e for e in reversed(events) if e["event"] == "done"), {})
+    done = max((e for e in events if e["event"] == "done"), key=lambda e: e["wall_s"], default={})
     if done:
         wall_min = done["wall_s"] / 60
         print(f"goodput {100 * done.get('goodput', 0):.1f}% with {kills} kills in {wall_min:.1f} min "
-              f"({kills / max(wall_min, 1e-9):.2f} failures/min; goal >= 80% at 1/min)")
+              f"({kills / max(wall_min, 1e-9):.2f} failures/min; goal >= 95% at 1/min)")
 
 
 def same_as_reference(args: argparse.Namespace, reference: Path, run_dir: Path) -> bool:
@@ -228,7 +312,7 @@ def main() -> int:
     out.mkdir(parents=True)
 
     print(f"[chaos] reference run (no faults) -> {out / 'reference'}", flush=True)
-    ref = launcher(args.config, out / "reference", args.nproc, args.overrides, out / "reference.log")
+    ref = launcher(args.config, out / "reference", args.nproc * args.nodes, args.overrides, out / "reference.log")
     if ref.wait(timeout=args.timeout) != 0:
         print(f"[chaos] the reference run failed: see {out / 'reference.log'}")
         return 1

@@ -36,6 +36,7 @@ from trainer.metrics import (
     LogWindow,
     MetricsLog,
     PendingRecords,
+    RecordDraft,
     StepTimer,
     format_breakdown,
     memory_mb,
@@ -80,7 +81,8 @@ class Run:
     stragglers: StragglerWatch | None = None
     records: PendingRecords | None = None  # log records waiting for the other ranks' numbers
     memory: memory_tier.MemoryTier | None = None  # checkpoint.memory_every > 0
-    resumed_tier: str = "none"  # where the start state came from: memory | durable | none
+    resumed_tier: str = "none"  # where the start state came from: memory-local | memory-peer | durable | none
+    restored_records: list[RecordDraft] = field(default_factory=list)  # unwritten at the memory snapshot
     start_step: int = 0
     started: float = 0.0
     busy_s: float = 0.0  # time spent in training steps this attempt (goodput's numerator)
@@ -278,6 +280,7 @@ def resume(run: Run) -> None:
         latest = run.checkpointer.discover_latest() if mode != "never" else None
         parts = run.memory.scan() if run.memory is not None and mode != "never" else {}
         in_memory, givers = run.memory.plan(parts) if run.memory is not None and mode != "never" else (None, {})
+        why = tier_choice(run, in_memory, latest)
         if in_memory is not None and (latest is None or in_memory > latest):
             load_snapshot(run, in_memory, givers, parts, durable=latest)
         elif latest is None and mode == "required":
@@ -285,12 +288,11 @@ def resume(run: Run) -> None:
         elif latest is not None:
             load_checkpoint(run, latest)
             if run.memory is not None:
-                log.info("memory tier: %s", "no snapshot that every rank has" if in_memory is None else
-                         f"newest snapshot every rank has is step {in_memory}, not newer than the durable one")
+                log.info("memory tier not used: %s", why)
         elif mode != "never":
             log.info("no committed checkpoint in %s: starting fresh", root)
     run.heartbeat.beat("loaded", step=run.state.step, t_loaded=time.time(), resumed_step=run.state.step,
-                       resumed_tier=run.resumed_tier)
+                       resumed_tier=run.resumed_tier, tier_why=why[:200])
 
     t = cfg.train
     run.metrics = MetricsLog(cfg.run.dir, t.steps, run.state.step, info.is_main, cfg.log.progress,
@@ -302,10 +304,24 @@ def resume(run: Run) -> None:
     run.profiler.maybe_start(run.state.step + 1)
     run.guard = NonFiniteGuard(t.max_bad_steps)
     run.window = LogWindow(run.timer)
-    run.records = PendingRecords(lambda values: parallel.all_gather_rows(values, info))
+    run.records = PendingRecords(lambda values: parallel.all_gather_rows(values, info),
+                                 lambda draft, parts: write_record(run, draft, parts), run.restored_records)
     run.stragglers = StragglerWatch(cfg.fault.straggler_factor, cfg.fault.straggler_s)
     run.start_step, run.started = run.state.step, time.perf_counter()
     run.model.train()
+
+
+def tier_choice(run: Run, in_memory: int | None, durable: int | None) -> str:
+    """Why the state comes from the tier it comes from (for the log and the ledger's resume event)."""
+    newest = "none" if durable is None else f"step {durable}"
+    if run.memory is None:
+        return "the memory tier is off (checkpoint.memory_every=0)"
+    if in_memory is not None and (durable is None or in_memory > durable):
+        return f"memory snapshot of step {in_memory} is newer than the newest durable checkpoint ({newest})"
+    if in_memory is not None:
+        return f"the newest snapshot every rank has (step {in_memory}) is not newer than the durable {newest}"
+    seen = f" (on rank {run.info.rank}'s node: {run.memory.skipped[0]})" if run.memory.skipped else ""
+    return f"no memory snapshot that every rank has{seen}"
 
 
 def load_checkpoint(run: Run, step: int) -> None:
@@ -334,6 +350,10 @@ def load_snapshot(run: Run, step: int, givers: dict[int, int], parts: dict, dura
     check or reshard), sent by the rank holding it when its own node does not have it (collective)."""
     moved = sorted(rank for rank, giver in givers.items() if giver != rank)
     run.state = run.memory.load(*run.memory.fetch(step, givers, parts), run.model, run.optimizer)
+    run.restored_records = [RecordDraft.from_json(d) for d in run.memory.restored_extra.get("records", [])]
+    # A snapshot is of this very config (config_sha256 less where memory lives): it does not carry it.
+    run.state.config, run.state.model, run.state.config_sha256 = run.cfg.to_dict(), asdict(run.cfg.model), \
+        run.cfg.sha256()
     run.resumed_tier = "memory-peer" if moved else "memory-local"
     run.loader.load_state_dict(run.state.data or {})
     sent = f"; the part(s) of rank(s) {moved} sent by the rank(s) holding them" if moved else ""
@@ -389,7 +409,7 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
             log.info("checkpoint step %d -> %s (%.2fs blocking)", step, path, run.checkpointer.last_blocking_s)
     if run.memory is not None and run.memory.due(step) and not final:
         state.data = run.loader.state_dict()
-        run.memory.snapshot(state, run.model, run.optimizer)
+        run.memory.snapshot(state, run.model, run.optimizer, records=run.records.unwritten())
     if run.preemption.agreed(step, info.world, info.device, last=final):
         emergency_checkpoint(run, saved)
     run.heartbeat.beat("train")
@@ -401,30 +421,35 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
 def log_record(run: Run, step: int, result: StepResult, evaluated: bool) -> None:
     """Close the log window: its metrics.jsonl record is written once the other ranks' numbers are in
     (`exchange_records`: means over ranks, each rank's own work, straggler scores)."""
+    fields = {"lr": lr_at(step, run.cfg), "grad_norm": result.grad_norm, "mem_mb": memory_mb(run.info.device),
+              "tokens": run.state.tokens_seen, "skipped_steps": run.guard.total, "time": time.time()}
+    if evaluated:
+        fields["eval_loss"] = run.eval_loss
     window = run.window.close()
-    lr, mem_mb, tokens, skipped, now = (lr_at(step, run.cfg), memory_mb(run.info.device), run.state.tokens_seen,
-                                        run.guard.total, time.time())
-    eval_loss, first = run.eval_loss, step - window.steps <= run.start_step  # (a run's first step: its one-off
-    #                                                                       costs differ between ranks)
-
-    def write(parts: dict) -> None:
-        tokens_per_s = run.tokens_per_step / parts["step_time_s"]
-        mfu = run.flops_per_token * tokens_per_s / (run.peak_flops * run.info.world) if run.peak_flops else 0.0
-        record = {"step": step, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                  "mem_mb": mem_mb, **parts, "tokens": tokens, "skipped_steps": skipped, "time": now}
-        if evaluated:
-            record["eval_loss"] = eval_loss
-        if run.stragglers.enabled:
-            scores, changes = run.stragglers.update(parts["rank_work_s"], window.steps, window.elapsed_s,
-                                                    judged=not first)
-            record["straggler_score"] = [round(score, 3) for score in scores]
-            record["stragglers"] = sorted(run.stragglers.flagged)
-            for change in changes:
-                report_straggler(run, step, change)
-        run.metrics.log(record)
-
-    run.records.add(window, write)
+    run.records.add(RecordDraft(step, window, fields, first=step - window.steps <= run.start_step))
     run.window.restart()
+
+
+def write_record(run: Run, draft: RecordDraft, parts: dict) -> None:
+    """Rank 0 writes the record of a closed window, given the ranks' numbers (`ClosedWindow.means`)."""
+    if draft.restored and draft.step <= run.metrics.logged_through:
+        return  # restored from a memory snapshot, and written by the attempt that took it
+    f = draft.fields
+    tokens_per_s = run.tokens_per_step / parts["step_time_s"]
+    mfu = run.flops_per_token * tokens_per_s / (run.peak_flops * run.info.world) if run.peak_flops else 0.0
+    record = {"step": draft.step, "lr": f["lr"], "grad_norm": f["grad_norm"], "tokens_per_s": tokens_per_s,
+              "mfu": mfu, "mem_mb": f["mem_mb"], **parts, "tokens": f["tokens"], "skipped_steps": f["skipped_steps"],
+              "time": f["time"]}
+    if "eval_loss" in f:
+        record["eval_loss"] = f["eval_loss"]
+    if run.stragglers.enabled:
+        scores, changes = run.stragglers.update(parts["rank_work_s"], draft.window.steps, draft.window.elapsed_s,
+                                                judged=not draft.first)
+        record["straggler_score"] = [round(score, 3) for score in scores]
+        record["stragglers"] = sorted(run.stragglers.flagged)
+        for change in changes:
+            report_straggler(run, draft.step, change)
+    run.metrics.log(record)
 
 
 def exchange_records(run: Run, step: int, now: bool = False) -> None:
@@ -432,10 +457,11 @@ def exchange_records(run: Run, step: int, now: bool = False) -> None:
     every rank, every step boundary, deciding alike). A blocking gather per log step cost more than the
     rest of a small step's bookkeeping, so the ranks exchange them at the preemption check steps only
     (about every 0.25 s on fast steps, every step on slow ones: trainer.fault), asynchronously: a check
-    writes the records sent at the previous one. `now`, and at a step whose state may be committed at
-    this boundary (`commits_at`), every record is written before going on: a step that is not redone
-    after a failure must have its record on disk before its checkpoint is. The time this takes is not
-    counted in the current log window."""
+    writes the records sent at the previous one. `now`, and at a step whose state may be committed to
+    the durable tier at this boundary (`commits_at`), every record is written before going on: a step
+    that is not redone after a failure must have its record on disk before its checkpoint is (a memory
+    snapshot carries the unwritten ones instead). The time this takes is not counted in the current log
+    window."""
     now = now or run.info.world == 1 or commits_at(run, step)
     if not (now or run.preemption.checks_at(step)):
         return
@@ -448,10 +474,11 @@ def exchange_records(run: Run, step: int, now: bool = False) -> None:
 
 
 def commits_at(run: Run, step: int) -> bool:
-    """Whether the state of `step` may be committed at this boundary: a checkpoint save, a memory
-    snapshot, the end of the run (the emergency checkpoint writes the pending record itself)."""
+    """Whether the state of `step` may be committed to the durable tier at this boundary: a checkpoint
+    save, the end of the run (the emergency checkpoint writes the pending records itself). A memory
+    snapshot carries the records not written yet instead (`RecordDraft`)."""
     final = step == run.cfg.train.steps
-    return final or run.checkpointer.should_save(step, final) or (run.memory is not None and run.memory.due(step))
+    return final or run.checkpointer.should_save(step, final)
 
 
 def report_straggler(run: Run, step: int, change: Change) -> None:

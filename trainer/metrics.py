@@ -212,35 +212,81 @@ class LogWindow:
                             self.steps, elapsed)
 
 
+@dataclass
+class RecordDraft:
+    """A closed log window and the rest of its metrics.jsonl record (lr, grad norm, ..., wall time),
+    waiting for the other ranks' numbers. Plain data: a memory snapshot carries the drafts whose records
+    were not written yet, so that a resume from it writes them (`restored`: came from a snapshot)."""
+
+    step: int
+    window: ClosedWindow
+    fields: dict
+    first: bool  # the attempt's first window (its one-off costs differ between ranks)
+    restored: bool = False
+
+    def to_json(self) -> dict:
+        w = self.window
+        return {"step": self.step, "phases": w.phases, "row": w.row, "steps": w.steps, "elapsed_s": w.elapsed_s,
+                "fields": self.fields, "first": self.first}
+
+    @classmethod
+    def from_json(cls, d: dict) -> RecordDraft:
+        return cls(d["step"], ClosedWindow(d["phases"], d["row"], d["steps"], d["elapsed_s"]), d["fields"],
+                   d["first"], restored=True)
+
+
 class PendingRecords:
     """Closed log windows whose records wait for the other ranks' numbers. `send()` (collective) starts
     one asynchronous gather of every window queued since the previous one; `receive()` waits for the
-    gather in flight and writes each window's record (`write(means)`, in step order). The loop decides
-    when, at the same steps on every rank: a gather per log step cost more than the rest of a small
-    step's bookkeeping."""
+    gather in flight and writes each window's record (`write(draft, means)`, in step order). The loop
+    decides when, at the same steps on every rank: a gather per log step cost more than the rest of a
+    small step's bookkeeping."""
 
-    def __init__(self, gather: Callable[[list[float]], Callable[[], list[list[float]]]]) -> None:
-        self.gather = gather
-        self.queued: list[tuple[ClosedWindow, Callable[[dict], None]]] = []
-        self.in_flight: tuple[list[tuple[ClosedWindow, Callable[[dict], None]]], Callable] | None = None
+    def __init__(self, gather: Callable[[list[float]], Callable[[], list[list[float]]]],
+                 write: Callable[[RecordDraft, dict], None], restored: list[RecordDraft] = ()) -> None:
+        self.gather, self.write = gather, write
+        self.queued: list[RecordDraft] = list(restored)
+        self.in_flight: tuple[list[RecordDraft], Callable] | None = None
 
-    def add(self, window: ClosedWindow, write: Callable[[dict], None]) -> None:
-        self.queued.append((window, write))
+    def add(self, draft: RecordDraft) -> None:
+        self.queued.append(draft)
+
+    def unwritten(self) -> list[RecordDraft]:
+        """Every draft whose record is not written yet, in step order (those in flight first)."""
+        return [*(self.in_flight[0] if self.in_flight else []), *self.queued]
 
     def send(self) -> None:
         if self.queued:
             batch, self.queued = self.queued, []
-            self.in_flight = (batch, self.gather([value for window, _ in batch for value in window.row]))
+            self.in_flight = (batch, self.gather([value for draft in batch for value in draft.window.row]))
 
     def receive(self) -> None:
         if self.in_flight is None:
             return
         (batch, wait), self.in_flight = self.in_flight, None
         rows, start = wait(), 0
-        for window, write in batch:
-            end = start + len(window.row)
-            write(window.means([row[start:end] for row in rows]))
+        for draft in batch:
+            end = start + len(draft.window.row)
+            self.write(draft, draft.window.means([row[start:end] for row in rows]))
             start = end
+
+
+def last_logged_step(path: Path) -> int:
+    """The step of the last complete record in a metrics.jsonl (0 without one)."""
+    try:
+        with open(path, "rb") as f:
+            start = max(f.seek(0, os.SEEK_END) - 65536, 0)
+            f.seek(start)
+            lines = f.read().split(b"\n")
+    except OSError:
+        return 0
+    for line in reversed(lines[1:] if start else lines):  # (a line cut by the seek is not one)
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
 
 # metrics.jsonl key -> TensorBoard tag (and W&B key)
 TB_TAGS = {
@@ -288,6 +334,8 @@ class MetricsLog:
         self.total_steps = total_steps
         self.started = time.perf_counter()
         self.start_step = start_step
+        # What an earlier attempt wrote last: records restored from a memory snapshot up to it are on disk.
+        self.logged_through = last_logged_step(self.path) if enabled else 0
 
     def should_log(self, step: int) -> bool:
         """Every `log_every` steps, at every eval step and at the last step (every rank: collective)."""

@@ -40,7 +40,7 @@ EXIT_STORAGE = 4  # storage (checkpoints, data) could not be used, or stalled, w
 #                   it may come back: the launcher restarts with backoff, and exits 4 when its budget is spent
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after an emergency checkpoint; launch again to resume
 
-HEARTBEAT_BYTES = 512
+HEARTBEAT_BYTES = 1024
 REFRESH_S = 1.0  # a heartbeat that changes nothing but its time is written at most this often
 EVENTS_FILE = "events.jsonl"
 
@@ -81,6 +81,7 @@ class Heartbeat:
         directory = os.environ.get(HEARTBEAT_DIR_ENV)
         self._fd: int | None = None
         self._written = 0.0  # the record's `t` when it was last written
+        self._size = HEARTBEAT_BYTES  # the file's length (records are padded to it with spaces)
         self.record: dict[str, Any] = {
             "pid": os.getpid(), "rank": rank, "attempt": attempt(),
             "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
@@ -110,7 +111,9 @@ class Heartbeat:
         self._write()
 
     def _write(self) -> None:
-        os.pwrite(self._fd, json.dumps(self.record).encode().ljust(HEARTBEAT_BYTES), 0)
+        data = json.dumps(self.record).encode()
+        self._size = max(self._size, len(data), HEARTBEAT_BYTES)  # never shorter: no tail of a longer one
+        os.pwrite(self._fd, data.ljust(self._size), 0)
         self._written = self.record["t"]
 
     def close(self, phase: str = "done") -> None:

@@ -20,7 +20,7 @@ import torch
 
 from tests.helpers import REPO, child_env, free_port, read_metrics, trainer_cmd
 from tests.integration.test_launch_faults import finish, launch, load_final, wait_for_step
-from trainer.protocol import read_events
+from trainer.protocol import read_events, read_jsonl
 
 STEPS = 30
 BASE = [f"train.steps={STEPS}", "checkpoint.every=50"]  # durable: only the final step
@@ -55,6 +55,11 @@ def test_a_sigkilled_rank_resumes_from_memory_and_matches_an_uninterrupted_run(r
     resume = next(e for e in read_events(run_dir) if e["event"] == "resume")
     assert resume["tier"] == "memory-local", resume
     assert resume["lost_steps"] <= 2 and resume["step"] >= 14, resume
+    assert resume["tier_why"].startswith(f"memory snapshot of step {resume['step']} is newer than"), resume
+    # The records not yet written when the snapshot was taken came back with it: each step up to the
+    # resumed one is in metrics.jsonl once (the steps after it are redone and logged again).
+    logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert [logged.count(s) for s in range(1, resume["step"] + 1)] == [1] * resume["step"], logged
     assert f"resumed at step {resume['step']} from the memory-local tier" in out
     assert "s (memory-local)" in out, out[-2000:]  # the summary line: recovery 1.2s (memory-local)
     assert_same_run(run_dir, reference)
@@ -92,11 +97,11 @@ def test_a_lost_node_resumes_from_the_copies_on_the_other_node(reference, tmp_pa
     assert not any(memory["a"].iterdir()) and not any(memory["b"].iterdir())
 
 
-def train(run_dir: Path, overrides: list[str], fail_at: int | None = None) -> str:
-    """2 ranks without the launcher; with `fail_at`, REKINDLE_FAIL_AT stops them before that step (their
-    snapshots stay). Returns the output."""
+def train(run_dir: Path, overrides: list[str], fail_at: int | None = None, nproc: int = 2) -> str:
+    """`nproc` ranks without the launcher; with `fail_at`, REKINDLE_FAIL_AT stops them before that step
+    (their snapshots stay). Returns the output."""
     env = child_env(**({"REKINDLE_FAIL_AT": str(fail_at)} if fail_at else {}))
-    proc = subprocess.run(trainer_cmd(2, REPO / "configs/smoke.yaml",
+    proc = subprocess.run(trainer_cmd(nproc, REPO / "configs/smoke.yaml",
                                       [f"run.dir={run_dir}", "log.progress=false", "train.log_every=1",
                                        "train.eval_every=0", *overrides]),
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
@@ -134,8 +139,14 @@ def test_bad_snapshots_are_never_loaded_and_the_log_says_why(reference, tmp_path
     # Another config (train.lr): its snapshots (steps 14-16) are not loaded; the durable step 15 is.
     out = train(run_dir, [*opts, "train.lr=0.002"], fail_at=21)
     assert "written with another config" in out and "resumed from step 15 (" in out, out[-3000:]
+    assert "memory tier not used: no memory snapshot that every rank has" in out, out[-3000:]
 
-    # Another run under the same run.dir name (made afresh): its snapshots (steps 18-20) are not this run's.
+    # Another world size: the 2-rank snapshots (steps 18-20) are passed over, the durable step 20 loaded.
+    out = train(run_dir, [*opts, "train.lr=0.002"], fail_at=22, nproc=1)
+    assert "memory tier not used: no memory snapshot that every rank has (on rank 0's node: world 2, this " \
+           "run's is 1)" in out and "resumed from step 20 (" in out, out[-3000:]
+
+    # Another run under the same run.dir name (made afresh): its snapshots are not this run's.
     (run_dir / "memory-tier.json").unlink()
     out = train(run_dir, [*opts, "train.lr=0.002"])
     assert "removed the memory snapshots of an earlier run" in out and "resumed from step 20 (" in out, out[-3000:]

@@ -12,7 +12,7 @@ import torch
 from tests.helpers import SMOKE
 from trainer import fault, protocol
 from trainer.config import ConfigError, load
-from trainer.metrics import LogWindow, PendingRecords, StepTimer
+from trainer.metrics import LogWindow, PendingRecords, RecordDraft, StepTimer
 from trainer.stragglers import StragglerWatch, straggler_scores
 
 
@@ -78,15 +78,20 @@ def test_log_windows_are_exchanged_in_one_gather_and_give_means_and_each_ranks_o
         sent.append(values)
         return lambda: [values, peer]
 
-    window, records = LogWindow(timer), PendingRecords(gather)
-    for losses in ([2.0, 4.0], [1.0, 3.0]):
+    window, records = LogWindow(timer), PendingRecords(gather, lambda draft, means: written.append(means))
+    for step, losses in ((1, [2.0, 4.0]), (2, [1.0, 3.0])):
         for loss, wait in zip(losses, (0.02, 0.06), strict=True):
             window.add(loss, wait)
-        records.add(window.close(), written.append)
+        records.add(RecordDraft(step, window.close(), {}, first=False))
         window.restart()
+    # What a memory snapshot taken now carries, and gives back when loaded: the same drafts.
+    carried = [RecordDraft.from_json(json.loads(json.dumps(d.to_json()))) for d in records.unwritten()]
+    assert [(d.step, d.window, d.restored) for d in carried] == [(1, records.queued[0].window, True),
+                                                                (2, records.queued[1].window, True)]
     assert not sent and not written  # nothing goes out until the loop says so
     records.send()
     assert sent == [[3.0, 0.04, 0.5, 0.1, 0.4, 2.0, 0.04, 0.5, 0.1, 0.4]] and not written
+    assert [d.step for d in records.unwritten()] == [1, 2]  # in flight: not written yet
     records.receive()
     assert [w["loss"] for w in written] == [3.0, 2.5]  # each window its own slice of the rows
     out = written[1]

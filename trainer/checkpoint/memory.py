@@ -5,9 +5,12 @@ durable checkpoint. The durable tier (trainer.checkpoint.checkpointer) is unchan
 
 What a snapshot holds, per rank: the model's and the optimizer's tensors exactly as they lie on this rank
 (FSDP2's local shards: no collective, no resharding), the optimizer's hyper-parameters, the train state
-(step, tokens, data-loader position) and this rank's RNG state. It is written in the background while
-the next step computes; `optimizer.step()`, the only thing that changes those tensors, waits for it
-(on a GPU the background thread first copies them to a reused CPU buffer).
+(step, tokens, data-loader position; not the config, which config_sha256 pins), this rank's RNG state, and
+the metrics records not written yet (the ranks exchange them every few steps; a resume writes them).
+It is written in the background while the next step computes; `optimizer.step()`, the only thing that
+changes those tensors, waits for it. The tensors are gathered into one reused staging buffer (pinned
+memory on a GPU) and written and checksummed in one go: on the training thread a snapshot costs a few
+list lookups (the tensor list is kept while the optimizer's state is the same objects).
 
 Peer replicas (`checkpoint.memory_replicas`, with more than one node): after writing its part, each
 rank sends it to its buddy, the rank with the same local rank on the next node ((r + local world) mod
@@ -16,7 +19,7 @@ rank as a peer copy. Losing a whole node (its processes and its memory) then los
 
 Files, in `<memory_dir>/<run id>/`: `slot-<k>.rank-<r>.bin` (the tensors' bytes of rank r's part) and
 `.json` (the header: run id, config hash, world size, rank, step, the tensors' names, dtypes, shapes and
-offsets, the xxh3-128 checksum of the .bin, train state, RNG); a peer copy is `peer-slot-<k>.rank-<r>`.
+offsets, the xxh3-128 checksum of the .bin, train state, RNG, unwritten records); a peer copy is `peer-slot-<k>.rank-<r>`.
 Step s goes to slot s // memory_every % 3: the slot's header is deleted, the .bin overwritten in place,
 and the new header written last (temp file, rename), so a rank killed mid-write leaves a slot without a
 header, which is never used. Three slots because ranks write in the background: when one rank starts
@@ -44,7 +47,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +126,6 @@ def _hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
-def _view(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-
-
 class MemoryTier:
     """One rank's snapshots (write in the background, scan, agree, load); see the module docstring."""
 
@@ -154,12 +151,16 @@ class MemoryTier:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="memory")
         self._pending: Future | None = None
         self._hooked: set[int] = set()
-        self._buffers: list[torch.Tensor] | None = None  # reused CPU copies of GPU tensors
+        self._staging: torch.Tensor | None = None  # the part's bytes, reused from one snapshot to the next
         self.on_failure = on_failure or (lambda message: None)
         self.failed_in_a_row = 0
         self.bytes = 0
         self._sized = False
         self.waited_s = 0.0
+        self.skipped: list[str] = []  # why the last scan passed over parts on this node
+        self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
+        self._tensor_list: tuple[tuple, list[tuple[str, torch.Tensor]]] | None = None
+        self._flat_views: tuple[list, list[torch.Tensor]] | None = None
 
     def _sweep(self, owner: dict) -> None:
         """Remove the snapshots that earlier runs of this run.dir left on this node (a run.dir made afresh
@@ -178,21 +179,43 @@ class MemoryTier:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def snapshot(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def snapshot(self, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 records: list = ()) -> None:
         """Start writing this rank's part of `state.step`; returns at once. The previous snapshot must be
-        finished (optimizer.step() waited for it)."""
+        finished (optimizer.step() waited for it). `records`: the metrics records not written yet
+        (objects with `to_json()`, serialized by the writer), given back by `load` as `restored_extra`."""
         self.wait()
         if id(optimizer) not in self._hooked:
             optimizer.register_step_pre_hook(lambda *_: self.wait())
             self._hooked.add(id(optimizer))
-        tensors = local_tensors(model, optimizer)
+        tensors = self._tensors(model, optimizer)
+        # The train state without the config and model arguments (the same as the run's: config_sha256)
+        # and without copies: none of its values is changed in place while the writer runs.
+        kept = {f.name: getattr(state, f.name) for f in fields(state) if f.name not in ("config", "model", "rng")}
         header = {
             "version": VERSION, "run_id": self.run, "config_sha256": self.config_sha256, "rank": self.rank,
             "world": self.world, "step": state.step,
-            "state": {**asdict(state), "rng": []}, "rng": base64.b64encode(torch.get_rng_state().numpy()).decode(),
-            "param_groups": _hyper_parameters(optimizer),
+            "state": kept, "rng": base64.b64encode(torch.get_rng_state().numpy()).decode(),
+            "param_groups": _hyper_parameters(optimizer), "records": list(records),
         }
         self._pending = self._writer.submit(self._write, header, tensors)
+
+    def _tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        """`local_tensors`, kept from one snapshot to the next while the optimizer's state is the same
+        objects (they are updated in place); listing them anew took more than a millisecond a step."""
+        key = (id(model), id(optimizer), tuple(map(id, optimizer.state.values())))
+        if self._tensor_list is None or self._tensor_list[0] != key:
+            self._tensor_list = (key, local_tensors(model, optimizer))
+        return self._tensor_list[1]
+
+    def _flat(self, tensors: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Flat byte views of the (non-empty) tensors, kept with the list while they are contiguous views."""
+        if self._flat_views is not None and self._flat_views[0] is tensors:
+            return self._flat_views[1]
+        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors if t.numel()]
+        if all(t.is_contiguous() for _, t in tensors):
+            self._flat_views = (tensors, flat)
+        return flat
 
     def _slot(self, step: int) -> int:
         return step // max(self.every, 1) % SLOTS
@@ -216,31 +239,38 @@ class MemoryTier:
             raise error
 
     def _write_part(self, header: dict, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if any(t.device.type != "cpu" for _, t in tensors):
-            if self._buffers is None or [b.shape for b in self._buffers] != [t.shape for _, t in tensors]:
-                self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                                 for _, t in tensors]
-            for buf, (_, t) in zip(self._buffers, tensors, strict=True):
-                buf.copy_(t)
-            tensors = [(name, buf) for buf, (name, _) in zip(self._buffers, tensors, strict=True)]
+        """The tensors gathered into one staging buffer (one copy; on the GPU into pinned memory), then
+        one write and one checksum: writing them one by one held the interpreter lock for about 15 us
+        each, time the training thread waited for."""
+        table, at = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), at, nbytes])
+            at += nbytes
+        if self._staging is None or self._staging.numel() != at:
+            self._staging = torch.empty(at, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        flat = self._flat(tensors)
+        if all(v.device.type == "cpu" for v in flat):
+            torch.cat(flat, out=self._staging)
+        else:
+            for v, (_, _, _, offset, nbytes) in zip(flat, [row for row in table if row[4]], strict=True):
+                self._staging[offset:offset + nbytes].copy_(v)
+        view = memoryview(self._staging.numpy()) if at else memoryview(b"")
         binary, head = self._paths(self._slot(header["step"]))
         head.unlink(missing_ok=True)  # from here until the new header is written, the slot is unusable
-        digest, at, table = storage.new_digest(), 0, []
         fd = os.open(binary, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            for name, t in tensors:
-                view = _view(t.contiguous())
-                done = 0
-                while done < view.nbytes:
-                    done += os.pwrite(fd, view[done:], at + done)
-                digest.update(view)
-                table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), at, view.nbytes])
-                at += view.nbytes
+            done = 0
+            while done < at:
+                done += os.pwrite(fd, view[done:], done)
             if os.fstat(fd).st_size != at:
                 os.ftruncate(fd, at)
         finally:
             os.close(fd)
-        header.update(bytes=at, checksum=digest.hexdigest(), tensors=table)
+        digest = storage.new_digest()
+        digest.update(view)
+        header.update(bytes=at, checksum=digest.hexdigest(), tensors=table,
+                      records=[r.to_json() for r in header["records"]])
         _write_header(head, header)
         self.bytes = at
 
@@ -283,6 +313,7 @@ class MemoryTier:
         and the peer copies it received), complete, of this run, config and world size, that verify:
         {(rank, step): (bin, header)}. A part that does not is skipped and said."""
         found: dict[tuple[int, int], tuple[Path, dict]] = {}
+        self.skipped = []
         mine = {p for p in range(self.world) if p % self.local_world == self.rank % self.local_world}
         for head in sorted(self.dir.glob("*slot-*.rank-*.json")):
             part = int(head.name.removesuffix(".json").rsplit("-", 1)[1])
@@ -292,6 +323,7 @@ class MemoryTier:
             problem, header = self._check(binary, head, part)
             if problem:
                 log.warning("memory snapshot %s not used: %s", head, problem)
+                self.skipped.append(problem)
                 continue
             key = (part, header["step"])
             if key not in found or not head.name.startswith("peer-"):  # its own copy first
@@ -381,6 +413,7 @@ class MemoryTier:
         for group, saved in zip(optimizer.param_groups, header["param_groups"], strict=True):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(header["rng"])), dtype=torch.uint8))
+        self.restored_extra = {"records": header.get("records", [])}
         return TrainState(**header["state"])
 
     # ------------------------------------------------------------------ the end
