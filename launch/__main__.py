@@ -112,6 +112,18 @@ def torchrun_conflicts(args) -> str:
     return ""
 
 
+def start_fork_server(cfg):
+    """Warm restarts (fault.warm_restarts, Linux): the fork server, started before this launcher imports
+    torch (launch.supervisor) so that the two imports overlap: the first ranks wait for both. None when off."""
+    if not (cfg.fault.warm_restarts and sys.platform.startswith("linux")):  # (PR_SET_PDEATHSIG, pidfd)
+        return None
+    from launch.zygote import Zygote
+
+    zygote = Zygote(cfg.run.dir)
+    zygote.start()  # on the main thread: PR_SET_PDEATHSIG follows the thread that started it
+    return zygote
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logs.setup(logs.LAUNCHER, stream=sys.stderr)
@@ -150,14 +162,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from launch import lock
     from launch.options import LaunchOptions
-    from launch.supervisor import Supervisor
 
     job = lock.job_key(args.rdzv_endpoint, args.rdzv_id)
     opts = LaunchOptions(args.config, args.overrides, nproc, min_nodes, max_nodes, args.max_restarts,
                          args.rdzv_endpoint, args.rdzv_id, conf, args.local_addr, job=job)
     try:
         with lock.claim(cfg.run.dir, job):
-            return Supervisor(cfg, opts).run()
+            zygote = start_fork_server(cfg)
+            from launch.supervisor import Supervisor  # imports torch, while the fork server does the same
+
+            return Supervisor(cfg, opts, zygote).run()
     except lock.RunDirInUse as e:
         log.error(str(e))
         return EXIT_USAGE

@@ -45,9 +45,11 @@ class Supervisor:
     """One node's launcher: runs the agent, watches heartbeats, applies the restart policy, keeps the
     ledger and decides the exit code. Its agent hooks run on the agent's thread, the rest on the main one."""
 
-    def __init__(self, cfg: Config, opts: LaunchOptions) -> None:
+    def __init__(self, cfg: Config, opts: LaunchOptions, zygote: Zygote | None = None) -> None:
         self.cfg, self.opts, f = cfg, opts, cfg.fault
-        self.zygote: Zygote | None = None  # warm restarts: the fork server the ranks are forked from (run())
+        # warm restarts: the fork server the ranks are forked from (started by launch.__main__ before it
+        # imported torch; else by run())
+        self.zygote: Zygote | None = zygote
         max_restarts = f.max_restarts if opts.max_restarts is None else opts.max_restarts
         self.policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
         self.ledger = Ledger(Path(cfg.run.dir))
@@ -175,6 +177,9 @@ class Supervisor:
             os.environ[JOB_ENV] = self.opts.job  # the ranks of this job share its leases (trainer.lease)
         o = self.opts
         warm = self.cfg.fault.warm_restarts and sys.platform.startswith("linux")  # (PR_SET_PDEATHSIG, pidfd)
+        if not warm and self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
         spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts, warm=warm)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
         self.ledger.event("start", nproc_per_node=o.nproc_per_node, nnodes=f"{o.min_nodes}:{o.max_nodes}",
@@ -199,12 +204,12 @@ class Supervisor:
         return self._finish()
 
     def _start_zygote(self) -> None:
-        """The fork server the ranks are forked from (launch.zygote). Started on the main thread
-        (PR_SET_PDEATHSIG follows the thread that started it) once the launcher has imported torch: on a
-        small machine a second import at the same time would delay the launcher's own start by seconds.
-        Its import overlaps the rendezvous and the first stubs' start (they wait for it)."""
-        self.zygote = Zygote(self.cfg.run.dir)
-        self.zygote.start()
+        """The fork server the ranks are forked from (launch.zygote), unless launch.__main__ started it
+        already: on the main thread (PR_SET_PDEATHSIG follows the thread that started it). Its import
+        overlaps the launcher's own and the first stubs' start (they wait for it)."""
+        if self.zygote is None:
+            self.zygote = Zygote(self.cfg.run.dir)
+            self.zygote.start()
         os.environ[ZYGOTE_ENV] = self.zygote.socket
         self.zygote.wait_bound()
         log.info(f"warm restarts: ranks are forked from a process with torch and the trainer imported "
