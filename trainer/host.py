@@ -18,7 +18,8 @@ After the first step (when the heap has grown to its steady size) `huge_pages_fo
 kernel to back the heap with 2 MiB transparent huge pages (`madvise(MADV_HUGEPAGE)`, then
 `MADV_COLLAPSE` to convert what is already mapped, Linux 6.1+): fewer TLB misses in every later
 step, for a collapse that is paid once (its gain and its cost: docs/performance.md, "Where the
-default config's step goes", change 4). Where THP is off (`never`) or the kernel is older,
+default config's step goes", change 4), at a launcher's first start only: after a restart it would
+add about a second to the recovery (trainer.loop). Where THP is off (`never`) or the kernel is older,
 the calls fail and nothing changes. The same effect as `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in
 the launch environment, from inside the process.
 """

@@ -386,8 +386,10 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
     run.heartbeat.beat("train", step=step, busy_s=run.busy_s, steps_run=step - run.start_step)
     if step == run.start_step + 1:  # start-up is over: hangs from here on should fail fast
         parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
-        if cfg.dist.tune_malloc and info.device.type == "cpu":
-            host.huge_pages_for_heap()  # the heap has its steady size now: back it with 2 MiB pages
+        # The heap has its steady size now: back it with 2 MiB pages. Not after a restart: the collapse
+        # (about a second per few hundred MB, on the training thread) would add to every recovery.
+        if cfg.dist.tune_malloc and info.device.type == "cpu" and protocol.attempt() == 0:
+            host.huge_pages_for_heap()
     run.window.add(float(result.loss), data_wait)
     run.metrics.step(step)
 

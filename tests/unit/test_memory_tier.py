@@ -4,6 +4,9 @@ another run, config or world size is never used; a failed write is a warning, no
 
 from __future__ import annotations
 
+import copy
+import os
+
 import torch
 
 from tests.helpers import assert_same, trained
@@ -37,6 +40,49 @@ def test_a_snapshot_restores_the_state_bit_for_bit(tmp_path):
     assert_same(saved, fresh)
     memory.close(remove=True)
     assert not any((tmp_path / "shm").iterdir())
+
+
+def test_each_snapshot_has_the_tensors_as_they_are_then(tmp_path):
+    """The tensor list and its byte views are kept from one snapshot to the next: they must alias the
+    live tensors (an optimizer step changes them in place), and be listed anew when the optimizer's
+    state is replaced (a load)."""
+    model, opt = trained(0)
+    memory = tier(tmp_path)
+    memory.snapshot(TrainState(step=1), model, opt)
+    memory.wait()
+
+    def step() -> None:
+        x = torch.randint(0, 64, (2, 17))
+        torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    memory.snapshot(TrainState(step=2), model, opt)
+    memory.wait()
+    fresh = trained(1)
+    memory.load(*memory.fetch(2, {0: 0}, memory.scan()), *fresh)
+    assert_same((model, opt), fresh)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors; the next step changes only those
+    step()
+    memory.snapshot(TrainState(step=3), model, opt)
+    memory.wait()
+    fresh = trained(1)
+    memory.load(*memory.fetch(3, {0: 0}, memory.scan()), *fresh)
+    assert_same((model, opt), fresh)
+    memory.close(remove=True)
+
+
+def test_write_all_writes_more_buffers_than_one_system_call_takes(tmp_path):
+    from trainer.checkpoint.memory import IOV_MAX, _write_all
+
+    chunks = [bytes([i % 251]) * (1 + i % 7) for i in range(IOV_MAX * 2 + 5)] + [b""]
+    fd = os.open(tmp_path / "part.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        _write_all(fd, [memoryview(c) for c in chunks])
+    finally:
+        os.close(fd)
+    assert (tmp_path / "part.bin").read_bytes() == b"".join(chunks)
 
 
 def test_slots_rotate_and_a_torn_or_flipped_one_is_skipped(tmp_path, caplog):

@@ -8,9 +8,10 @@ What a snapshot holds, per rank: the model's and the optimizer's tensors exactly
 (step, tokens, data-loader position; not the config, which config_sha256 pins), this rank's RNG state, and
 the metrics records not written yet (the ranks exchange them every few steps; a resume writes them).
 It is written in the background while the next step computes; `optimizer.step()`, the only thing that
-changes those tensors, waits for it. The tensors are gathered into one reused staging buffer (pinned
-memory on a GPU) and written and checksummed in one go: on the training thread a snapshot costs a few
-list lookups (the tensor list is kept while the optimizer's state is the same objects).
+changes those tensors, waits for it. The tensors are written straight from their memory in one
+`pwritev` (on a GPU after one copy into a reused pinned buffer) and checksummed; on the training thread
+a snapshot costs a few list lookups (the tensor list is kept while the optimizer's state is the same
+objects).
 
 Peer replicas (`checkpoint.memory_replicas`, with more than one node): after writing its part, each
 rank sends it to its buddy, the rank with the same local rank on the next node ((r + local world) mod
@@ -19,7 +20,8 @@ rank as a peer copy. Losing a whole node (its processes and its memory) then los
 
 Files, in `<memory_dir>/<run id>/`: `slot-<k>.rank-<r>.bin` (the tensors' bytes of rank r's part) and
 `.json` (the header: run id, config hash, world size, rank, step, the tensors' names, dtypes, shapes and
-offsets, the xxh3-128 checksum of the .bin, train state, RNG, unwritten records); a peer copy is `peer-slot-<k>.rank-<r>`.
+offsets, the xxh3-128 checksum of the .bin, train state, RNG, unwritten records); a peer copy is
+`peer-slot-<k>.rank-<r>`.
 Step s goes to slot s // memory_every % 3: the slot's header is deleted, the .bin overwritten in place,
 and the new header written last (temp file, rename), so a rank killed mid-write leaves a slot without a
 header, which is never used. Three slots because ranks write in the background: when one rank starts
@@ -61,6 +63,7 @@ from trainer.checkpoint.commit import TrainState
 log = logs.get_logger("memory")
 
 SLOTS = 3
+IOV_MAX = 1024  # buffers per pwritev (Linux's limit)
 VERSION = 1
 RUN_ID_FILE = "memory-tier.json"  # in run.dir: {"run_id": ...}, made by the run's first start
 OWNER = "owner.json"  # in the run's memory directory: {"run_dir": ...}
@@ -151,7 +154,7 @@ class MemoryTier:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="memory")
         self._pending: Future | None = None
         self._hooked: set[int] = set()
-        self._staging: torch.Tensor | None = None  # the part's bytes, reused from one snapshot to the next
+        self._staging: torch.Tensor | None = None  # on a GPU: the part's bytes in pinned memory, reused
         self.on_failure = on_failure or (lambda message: None)
         self.failed_in_a_row = 0
         self.bytes = 0
@@ -160,7 +163,7 @@ class MemoryTier:
         self.skipped: list[str] = []  # why the last scan passed over parts on this node
         self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
         self._tensor_list: tuple[tuple, list[tuple[str, torch.Tensor]]] | None = None
-        self._flat_views: tuple[list, list[torch.Tensor]] | None = None
+        self._layout_cache: tuple[list, tuple[list, list[torch.Tensor], int]] | None = None
 
     def _sweep(self, owner: dict) -> None:
         """Remove the snapshots that earlier runs of this run.dir left on this node (a run.dir made afresh
@@ -208,14 +211,21 @@ class MemoryTier:
             self._tensor_list = (key, local_tensors(model, optimizer))
         return self._tensor_list[1]
 
-    def _flat(self, tensors: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Flat byte views of the (non-empty) tensors, kept with the list while they are contiguous views."""
-        if self._flat_views is not None and self._flat_views[0] is tensors:
-            return self._flat_views[1]
+    def _layout(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, list[torch.Tensor], int]:
+        """The header's tensor table, flat byte views of the non-empty tensors and the total size; kept
+        with the tensor list while its tensors are contiguous (the views then alias them)."""
+        if self._layout_cache is not None and self._layout_cache[0] is tensors:
+            return self._layout_cache[1]
+        table, at = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), at, nbytes])
+            at += nbytes
         flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors if t.numel()]
+        layout = (table, flat, at)
         if all(t.is_contiguous() for _, t in tensors):
-            self._flat_views = (tensors, flat)
-        return flat
+            self._layout_cache = (tensors, layout)
+        return layout
 
     def _slot(self, step: int) -> int:
         return step // max(self.every, 1) % SLOTS
@@ -239,36 +249,29 @@ class MemoryTier:
             raise error
 
     def _write_part(self, header: dict, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """The tensors gathered into one staging buffer (one copy; on the GPU into pinned memory), then
-        one write and one checksum: writing them one by one held the interpreter lock for about 15 us
-        each, time the training thread waited for."""
-        table, at = [], 0
-        for name, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), at, nbytes])
-            at += nbytes
-        if self._staging is None or self._staging.numel() != at:
-            self._staging = torch.empty(at, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        flat = self._flat(tensors)
-        if all(v.device.type == "cpu" for v in flat):
-            torch.cat(flat, out=self._staging)
-        else:
+        """The tensors' bytes written straight from their memory in one `pwritev`, then checksummed (on a
+        GPU they are first copied into one reused pinned buffer): writing them one by one held the
+        interpreter lock for about 15 us each, time the training thread waited for."""
+        table, flat, at = self._layout(tensors)
+        if any(v.device.type != "cpu" for v in flat):
+            if self._staging is None or self._staging.numel() != at:
+                self._staging = torch.empty(at, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             for v, (_, _, _, offset, nbytes) in zip(flat, [row for row in table if row[4]], strict=True):
                 self._staging[offset:offset + nbytes].copy_(v)
-        view = memoryview(self._staging.numpy()) if at else memoryview(b"")
+            flat = [self._staging]
+        views = [memoryview(v.numpy()) for v in flat]
         binary, head = self._paths(self._slot(header["step"]))
         head.unlink(missing_ok=True)  # from here until the new header is written, the slot is unusable
         fd = os.open(binary, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            done = 0
-            while done < at:
-                done += os.pwrite(fd, view[done:], done)
+            _write_all(fd, views)
             if os.fstat(fd).st_size != at:
                 os.ftruncate(fd, at)
         finally:
             os.close(fd)
         digest = storage.new_digest()
-        digest.update(view)
+        for view in views:
+            digest.update(view)
         header.update(bytes=at, checksum=digest.hexdigest(), tensors=table,
                       records=[r.to_json() for r in header["records"]])
         _write_header(head, header)
@@ -445,6 +448,20 @@ class MemoryTier:
 
 def _head_of(binary: Path) -> Path:
     return binary.parent / f"{binary.name.removesuffix('.bin')}.json"
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write the buffers one after another from offset 0, in as few system calls as the kernel allows."""
+    at, views = 0, [v.cast("B") for v in views if v.nbytes]
+    while views:
+        batch = views[:IOV_MAX]
+        done = os.pwritev(fd, batch, at)
+        at += done
+        while views and done >= views[0].nbytes:  # drop what was written whole; cut the one written in part
+            done -= views[0].nbytes
+            views.pop(0)
+        if done:
+            views[0] = views[0][done:]
 
 
 def _write_header(head: Path, header: dict) -> None:
