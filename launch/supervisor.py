@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -47,8 +46,8 @@ class Supervisor:
 
     def __init__(self, cfg: Config, opts: LaunchOptions, zygote: Zygote | None = None) -> None:
         self.cfg, self.opts, f = cfg, opts, cfg.fault
-        # warm restarts: the fork server the ranks are forked from (started by launch.__main__ before it
-        # imported torch; else by run())
+        # warm restarts: the fork server the ranks are forked from, started by launch.__main__ before it
+        # imported torch (None: warm restarts are off)
         self.zygote: Zygote | None = zygote
         max_restarts = f.max_restarts if opts.max_restarts is None else opts.max_restarts
         self.policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
@@ -141,7 +140,7 @@ class Supervisor:
                      f"lost, recovery "
                      f"{event['recovery_s']:.1f}s (restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, "
                      f"first step {event['first_step_s']:.1f}s)"
-                     + (f"; {event['tier_why']}" if "memory tier is off" not in event["tier_why"] else ""))
+                     + (f"; {event['tier_why']}" if event["tier_why"] else ""))
 
     def _on_failure(self, failure: Failure, tb: str) -> None:
         record = self.ledger.failure(attempt=self.attempt, rank=failure.rank, cause=failure.cause, step=failure.step,
@@ -176,10 +175,7 @@ class Supervisor:
         if self.opts.job:
             os.environ[JOB_ENV] = self.opts.job  # the ranks of this job share its leases (trainer.lease)
         o = self.opts
-        warm = self.cfg.fault.warm_restarts and sys.platform.startswith("linux")  # (PR_SET_PDEATHSIG, pidfd)
-        if not warm and self.zygote is not None:
-            self.zygote.close()
-            self.zygote = None
+        warm = self.zygote is not None
         spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts, warm=warm)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
         self.ledger.event("start", nproc_per_node=o.nproc_per_node, nnodes=f"{o.min_nodes}:{o.max_nodes}",
@@ -189,7 +185,7 @@ class Supervisor:
         thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
         try:
             if warm:
-                self._start_zygote()
+                self._use_zygote()
             thread.start()
             self._wait_for(thread)
             beats = self.watchdog.beats(self.attempt)  # the last word of this node's ranks, for the outcome
@@ -203,13 +199,9 @@ class Supervisor:
                 self.zygote.close()
         return self._finish()
 
-    def _start_zygote(self) -> None:
-        """The fork server the ranks are forked from (launch.zygote), unless launch.__main__ started it
-        already: on the main thread (PR_SET_PDEATHSIG follows the thread that started it). Its import
+    def _use_zygote(self) -> None:
+        """Point the stubs at the fork server (launch.zygote) and wait until it listens. Its import
         overlaps the launcher's own and the first stubs' start (they wait for it)."""
-        if self.zygote is None:
-            self.zygote = Zygote(self.cfg.run.dir)
-            self.zygote.start()
         os.environ[ZYGOTE_ENV] = self.zygote.socket
         self.zygote.wait_bound()
         log.info(f"warm restarts: ranks are forked from a process with torch and the trainer imported "

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from trainer import logs
 from trainer.protocol import read_events, read_heartbeats, read_jsonl
+from trainer.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,14 +101,6 @@ class Nodes:
         """The first launcher's exit code, once every launcher has exited (the worst one if it is 0)."""
         codes = [p.wait(timeout=max(deadline - time.time(), 1)) for p in self.procs]
         return codes[0] or max(codes, key=abs)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def steady_beats(nodes: Nodes, min_steps: int, old_pids: set[int]) -> dict[int, dict] | None:
@@ -204,20 +197,20 @@ def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: rand
             print("[chaos] the run ended before all kills were made")
             break
         if name == "NODE":
-            node = rng.randrange(1, args.nodes)
-            rank, beat = node * args.nproc, beats[node * args.nproc]
-            kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
-                          "pids": {b["pid"] for b in beats.values()}})
+            node = rng.randrange(1, args.nodes)  # node 0 hosts the rendezvous
+            rank = node * args.nproc
+        else:
+            rank = rng.randrange(len(beats))
+        beat = beats[rank]
+        kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
+                      "pids": {b["pid"] for b in beats.values()}})
+        if name != "NODE":
+            os.kill(beat["pid"], SIGNALS[name])
+            print(f"[chaos] SIG{name} -> rank {rank} (pid {beat['pid']}) at step {beat['step']}", flush=True)
+        else:
             nodes.lose(node)
             print(f"[chaos] node {node} lost (launcher and ranks SIGKILLed, memory deleted) at step "
                   f"{beat['step']}; a replacement joins", flush=True)
-            continue
-        rank = rng.randrange(len(beats))
-        beat = beats[rank]
-        os.kill(beat["pid"], SIGNALS[name])
-        kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
-                      "pids": {b["pid"] for b in beats.values()}})
-        print(f"[chaos] SIG{name} -> rank {rank} (pid {beat['pid']}) at step {beat['step']}", flush=True)
     return nodes.wait(deadline), kills
 
 

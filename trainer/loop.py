@@ -312,10 +312,11 @@ def resume(run: Run) -> None:
 
 
 def tier_choice(run: Run, in_memory: int | None, durable: int | None) -> str:
-    """Why the state comes from the tier it comes from (for the log and the ledger's resume event)."""
+    """Why the state comes from the tier it comes from (for the log and the ledger's resume event); ''
+    with the memory tier off."""
     newest = "none" if durable is None else f"step {durable}"
     if run.memory is None:
-        return "the memory tier is off (checkpoint.memory_every=0)"
+        return ""
     if in_memory is not None and (durable is None or in_memory > durable):
         return f"memory snapshot of step {in_memory} is newer than the newest durable checkpoint ({newest})"
     if in_memory is not None:
@@ -341,7 +342,12 @@ def load_checkpoint(run: Run, step: int) -> None:
         if run.info.is_main:
             protocol.append_event(cfg.run.dir, "config_changed", step=run.state.step,
                                   changes={key: list(values) for key, values in changed.items()})
-    # The next checkpoint records this run's settings.
+    adopt_config(run)  # the next checkpoint records this run's settings
+
+
+def adopt_config(run: Run) -> None:
+    """The loaded train state takes this run's config, model arguments and config hash."""
+    cfg = run.cfg
     run.state.config, run.state.model, run.state.config_sha256 = cfg.to_dict(), asdict(cfg.model), cfg.sha256()
 
 
@@ -351,9 +357,7 @@ def load_snapshot(run: Run, step: int, givers: dict[int, int], parts: dict, dura
     moved = sorted(rank for rank, giver in givers.items() if giver != rank)
     run.state = run.memory.load(*run.memory.fetch(step, givers, parts), run.model, run.optimizer)
     run.restored_records = [RecordDraft.from_json(d) for d in run.memory.restored_extra.get("records", [])]
-    # A snapshot is of this very config (config_sha256 less where memory lives): it does not carry it.
-    run.state.config, run.state.model, run.state.config_sha256 = run.cfg.to_dict(), asdict(run.cfg.model), \
-        run.cfg.sha256()
+    adopt_config(run)  # a snapshot is of this very config (config_sha256 less where memory lives): not kept
     run.resumed_tier = "memory-peer" if moved else "memory-local"
     run.loader.load_state_dict(run.state.data or {})
     sent = f"; the part(s) of rank(s) {moved} sent by the rank(s) holding them" if moved else ""

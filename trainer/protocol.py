@@ -112,7 +112,7 @@ class Heartbeat:
 
     def _write(self) -> None:
         data = json.dumps(self.record).encode()
-        self._size = max(self._size, len(data), HEARTBEAT_BYTES)  # never shorter: no tail of a longer one
+        self._size = max(self._size, len(data))  # never shorter: no tail of a longer record is left
         os.pwrite(self._fd, data.ljust(self._size), 0)
         self._written = self.record["t"]
 

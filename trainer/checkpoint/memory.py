@@ -162,8 +162,7 @@ class MemoryTier:
         self.waited_s = 0.0
         self.skipped: list[str] = []  # why the last scan passed over parts on this node
         self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
-        self._tensor_list: tuple[tuple, list[tuple[str, torch.Tensor]]] | None = None
-        self._layout_cache: tuple[list, tuple[list, list[torch.Tensor], int]] | None = None
+        self._layout_cache: tuple[tuple, tuple[list, list[torch.Tensor], int]] | None = None
 
     def _sweep(self, owner: dict) -> None:
         """Remove the snapshots that earlier runs of this run.dir left on this node (a run.dir made afresh
@@ -191,7 +190,7 @@ class MemoryTier:
         if id(optimizer) not in self._hooked:
             optimizer.register_step_pre_hook(lambda *_: self.wait())
             self._hooked.add(id(optimizer))
-        tensors = self._tensors(model, optimizer)
+        layout = self._layout(model, optimizer)
         # The train state without the config and model arguments (the same as the run's: config_sha256)
         # and without copies: none of its values is changed in place while the writer runs.
         kept = {f.name: getattr(state, f.name) for f in fields(state) if f.name not in ("config", "model", "rng")}
@@ -201,21 +200,17 @@ class MemoryTier:
             "state": kept, "rng": base64.b64encode(torch.get_rng_state().numpy()).decode(),
             "param_groups": _hyper_parameters(optimizer), "records": list(records),
         }
-        self._pending = self._writer.submit(self._write, header, tensors)
+        self._pending = self._writer.submit(self._write, header, layout)
 
-    def _tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        """`local_tensors`, kept from one snapshot to the next while the optimizer's state is the same
-        objects (they are updated in place); listing them anew took more than a millisecond a step."""
+    def _layout(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list[torch.Tensor], int]:
+        """The part's layout: the header's tensor table (`local_tensors`), flat byte views of the non-empty
+        tensors and the total size. Kept from one snapshot to the next while the optimizer's state is the
+        same objects (updated in place) and the tensors are contiguous (the views then alias them):
+        listing them anew took more than a millisecond a step."""
         key = (id(model), id(optimizer), tuple(map(id, optimizer.state.values())))
-        if self._tensor_list is None or self._tensor_list[0] != key:
-            self._tensor_list = (key, local_tensors(model, optimizer))
-        return self._tensor_list[1]
-
-    def _layout(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, list[torch.Tensor], int]:
-        """The header's tensor table, flat byte views of the non-empty tensors and the total size; kept
-        with the tensor list while its tensors are contiguous (the views then alias them)."""
-        if self._layout_cache is not None and self._layout_cache[0] is tensors:
+        if self._layout_cache is not None and self._layout_cache[0] == key:
             return self._layout_cache[1]
+        tensors = local_tensors(model, optimizer)
         table, at = [], 0
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -224,7 +219,7 @@ class MemoryTier:
         flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors if t.numel()]
         layout = (table, flat, at)
         if all(t.is_contiguous() for _, t in tensors):
-            self._layout_cache = (tensors, layout)
+            self._layout_cache = (key, layout)
         return layout
 
     def _slot(self, step: int) -> int:
@@ -235,12 +230,12 @@ class MemoryTier:
         return self.dir / f"{base}.bin", self.dir / f"{base}.json"
 
     @torch.no_grad()
-    def _write(self, header: dict, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _write(self, header: dict, layout: tuple[list, list[torch.Tensor], int]) -> None:
         """This rank's part into its slot, then (with replicas) the exchange with the buddies. The
         exchange happens whatever became of the write, so that no peer waits for a part that never comes."""
         error: Exception | None = None
         try:
-            self._write_part(header, tensors)
+            self._write_part(header, layout)
         except Exception as e:  # noqa: BLE001 - raised after the exchange
             error = e
         if self._group is not None:
@@ -248,11 +243,11 @@ class MemoryTier:
         if error is not None:
             raise error
 
-    def _write_part(self, header: dict, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _write_part(self, header: dict, layout: tuple[list, list[torch.Tensor], int]) -> None:
         """The tensors' bytes written straight from their memory in one `pwritev`, then checksummed (on a
         GPU they are first copied into one reused pinned buffer): writing them one by one held the
         interpreter lock for about 15 us each, time the training thread waited for."""
-        table, flat, at = self._layout(tensors)
+        table, flat, at = layout
         if any(v.device.type != "cpu" for v in flat):
             if self._staging is None or self._staging.numel() != at:
                 self._staging = torch.empty(at, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
