@@ -39,6 +39,11 @@ class ShardError(RuntimeError):
     """A missing, truncated or corrupt shard or manifest."""
 
 
+class CorruptShardError(ShardError):
+    """A shard the manifest lists is missing, truncated or fails its checksum: the dataset is broken. Bad
+    input: no restart can fix it."""
+
+
 class NotADatasetError(ShardError):
     """The path holds no prepared dataset: it does not exist, or it has no readable manifest. Bad input:
     no restart can fix it."""
@@ -240,7 +245,7 @@ class ShardSet:
             if self._local:
                 size = os.path.getsize(path)
                 if size != expected:
-                    raise ShardError(f"shard {where} is {size} bytes, the manifest says {expected} (truncated?)")
+                    raise CorruptShardError(f"shard {where} is {size} bytes, the manifest says {expected} (truncated?)")
                 arr = np.memmap(path, dtype=self.dtype, mode="r")
                 if i in self._verified:
                     return arr
@@ -249,15 +254,15 @@ class ShardSet:
                 data = self.fs.cat_file(path)
                 self.fetches += 1
                 if len(data) != expected:
-                    raise ShardError(
+                    raise CorruptShardError(
                         f"shard {where} is {len(data)} bytes, the manifest says {expected} (truncated?)"
                     )
                 digest = hashlib.sha256(data).hexdigest()
                 arr = np.frombuffer(data, dtype=self.dtype)
         except FileNotFoundError as e:
-            raise ShardError(f"shard {where} is missing") from e
+            raise CorruptShardError(f"shard {where} is missing") from e
         if digest != info.sha256:
-            raise ShardError(
+            raise CorruptShardError(
                 f"shard {where} fails its checksum (corrupt): sha256 {digest[:12]}…, expected {info.sha256[:12]}…"
             )
         if self._local:

@@ -7,8 +7,10 @@ and the root cause is the failure that explains the others."""
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.protocol import EXIT_PREEMPTED, EXIT_STORAGE
@@ -31,10 +33,12 @@ class Failure:
     exit_code: int | None = None
     signal: str | None = None
     message: str = ""  # one line: the exception, the signal, or the hang diagnosis
-    key: str = ""  # what makes two failures the same (default: the message; a hang's names no pid or seconds)
+    key: str = ""  # what makes two failures the same (`failure_key`; a hang's names no pid or seconds)
 
     def signature(self) -> tuple:
-        return self.cause, self.exit_code, self.signal, self.step, self.key or self.message
+        """Two failures are the same when this is: the rank that reports it does not count, nor do the
+        numbers in a message without a key (addresses, pids, ports change from one attempt to the next)."""
+        return self.cause, self.exit_code, self.signal, self.step, self.key or without_numbers(self.message)
 
     def describe(self) -> str:
         how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",
@@ -80,9 +84,40 @@ def first_line(error: dict[str, Any] | None) -> str:
 
 def traceback_tail(error: dict[str, Any] | None, lines: int = 6) -> str:
     """The last `lines` lines of the Python traceback in torchelastic's error-file data ('' without one)."""
+    return "\n".join(_callstack(error).strip().splitlines()[-lines:])
+
+
+# A frame of a Python traceback: `  File "/.../trainer/checkpoint/memory.py", line 120, in local_tensors`.
+FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)', re.MULTILINE)
+PROJECT_PACKAGES = ("trainer", "data", "launch")
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # where those packages are, here as in the ranks
+INNERMOST_FRAMES = 2  # of this project's code, to tell where an exception was raised
+
+
+def without_numbers(text: str) -> str:
+    """`text` with every number (decimal or hex: ids, addresses, pids, ports, sizes) written as N."""
+    return re.sub(r"(0x[0-9a-fA-F]+|\d+)", "N", text)
+
+
+def failure_key(error: dict[str, Any] | None) -> str:
+    """What makes an exception the same from one attempt to the next, whichever rank raises it: its type
+    and where it was raised, as the innermost frames of this project's code in the traceback
+    (package-relative path, line, function). Without a traceback: the first line, numbers left out."""
+    message = first_line(error)
+    kind = message.split(":", 1)[0] if ":" in message else message
+    frames = []
+    for frame in FRAME.finditer(_callstack(error)):
+        path = Path(frame["path"])
+        if path.is_relative_to(PROJECT_ROOT) and path.relative_to(PROJECT_ROOT).parts[0] in PROJECT_PACKAGES:
+            frames.append(f"{path.relative_to(PROJECT_ROOT)}:{frame['line']}:{frame['function']}")
+    if not frames:
+        return without_numbers(message)
+    return f"{without_numbers(kind)} at {' < '.join(reversed(frames[-INNERMOST_FRAMES:]))}"
+
+
+def _callstack(error: dict[str, Any] | None) -> str:
     message = (error or {}).get("message", {})
-    stack = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
-    return "\n".join(stack.strip().splitlines()[-lines:])
+    return message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
 
 
 def lost_peer(message: str) -> bool:
@@ -130,8 +165,8 @@ def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, d
         return Failure(rank, "preemption", step, cause.exit_code), ""
     if cause.exit_code == EXIT_STORAGE:  # the rank said which URL, in one line: no traceback
         return Failure(cause.rank, "storage", step, cause.exit_code, message=first_line(cause.error)), ""
-    return (Failure(cause.rank, "exit", step, cause.exit_code, message=first_line(cause.error)),
-            traceback_tail(cause.error))
+    return (Failure(cause.rank, "exit", step, cause.exit_code, message=first_line(cause.error),
+                    key=failure_key(cause.error)), traceback_tail(cause.error))
 
 
 def from_hang(hang: Hang, checkpoint_dir: str = "") -> Failure:

@@ -262,10 +262,12 @@ class Supervisor:
         return EXIT_FAILED, "failed"
 
     def _preempted_outcome(self) -> tuple[int, str]:
-        """EXIT_PREEMPTED (launch again to resume: Slurm's requeue) when the run's state is safe in a
-        committed checkpoint: the newest commit holds every step trained (the emergency checkpoint), or
-        the running group trained nothing (the signal came during a rendezvous, a backoff, a start-up or a
-        resume). EXIT_FAILED, saying so, when trained steps could not be committed within the grace period."""
+        """EXIT_PREEMPTED (launch again to resume: Slurm's requeue), always: a preempted job stays
+        requeueable. The line says where the next launch resumes: the run's state is safe in a committed
+        checkpoint when the newest commit holds every step trained (the emergency checkpoint) or the running
+        group trained nothing (the signal came during a rendezvous, a backoff, a start-up or a resume);
+        otherwise the steps trained since the last commit could not be committed within the grace period
+        (storage that stopped answering) and are trained again."""
         left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time() - 0.2, 0.5)  # what is left
         newest = newest_commit(self.cfg.checkpoint_dir, left)
         if newest is not None:
@@ -276,9 +278,10 @@ class Supervisor:
             return EXIT_PREEMPTED, "preempted"
         if not self._ranks_at_signal or attempt is None or attempt.steps_run == 0:
             return EXIT_PREEMPTED, "preempted (nothing was trained since the last commit)"
-        return EXIT_FAILED, (f"preempted, but no emergency checkpoint of step {trained} was committed within "
-                             f"fault.preempt_grace_s={self.cfg.fault.preempt_grace_s:g}s: the next launch resumes "
-                             f"from the last commit" + (f" (step {newest[0]})" if newest else ""))
+        last = f"the last commit (step {newest[0]})" if newest else "the start (no commit yet)"
+        return EXIT_PREEMPTED, (f"preempted, but no emergency checkpoint of step {trained} was committed within "
+                                f"fault.preempt_grace_s={self.cfg.fault.preempt_grace_s:g}s: the next launch "
+                                f"resumes from {last}")
 
     def _finish(self) -> int:
         code, outcome = self._outcome()

@@ -240,8 +240,9 @@ class Bench:
         on, off, parent = [], [], os.path.dirname(memory_tier.default_dir())
         for i in range(self.rounds):
             with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=parent) as shm:
-                for label, extra, into in (("off", [], off), ("on", ["checkpoint.memory_every=1",
-                                                                     f"checkpoint.memory_dir={shm}"], on)):
+                modes = (("off", ["checkpoint.memory_every=0"], off),
+                         ("on", ["checkpoint.memory_every=1", f"checkpoint.memory_dir={shm}"], on))
+                for label, extra, into in modes:
                     r = run_trainer(self.config, [*self.args.overrides, *extra], self.steps, self.window, nproc=2)
                     into.append(r["tokens_per_s"])
                     print(f"round {i + 1} memory tier {label:<3} {r['tokens_per_s']:9,.0f} tok/s")

@@ -9,6 +9,7 @@ tests/unit/ less the few unit tests marked slow in place)."""
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -32,6 +33,20 @@ def rekindle_logging() -> None:
     from trainer import logs
 
     logs.setup()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def memory_tier_dir() -> Path:
+    """The memory tier's default directory for this session's runs (in memory, as /dev/shm's default is,
+    so that memory_every=auto turns it on), shared with child processes and removed at the end: runs
+    that a test kills leave their snapshots behind."""
+    from trainer.checkpoint.memory import MEMORY_DIR_ENV
+
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    path = base / f"rekindle-tests-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.environ[MEMORY_DIR_ENV] = str(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

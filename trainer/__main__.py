@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return protocol.EXIT_USAGE
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-    from data.shards import NotADatasetError, ShardError
+    from data.shards import CorruptShardError, NotADatasetError, ShardError
     from data.stream import DataStateError
     from trainer.checkpoint import CheckpointError, IncompatibleCheckpointError
     from trainer.fault import Preempted
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         ErrorHandler().record_exception(e)  # the launcher's ledger names the cause (no-op without torchrun)
         # Input that no restart can fix exits EXIT_USAGE, which the launcher does not restart; storage
         # that could not be used (within storage.*'s bounds) may come back: EXIT_STORAGE.
-        bad_input = (ConfigError, DataStateError, NotADatasetError, IncompatibleCheckpointError, DirectoryInUse)
+        bad_input = (ConfigError, DataStateError, NotADatasetError, CorruptShardError, IncompatibleCheckpointError,
+                     DirectoryInUse)
         if isinstance(e, bad_input):
             return protocol.EXIT_USAGE
         return protocol.EXIT_STORAGE if caused_by_storage(e) else protocol.EXIT_FAILED

@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -84,16 +84,25 @@ class CheckpointConfig:
     format: str = setting("raw", "raw: each tensor's bytes (faster) | dcp: DCP's standard format, which stock "
                           "torch.distributed.checkpoint tools read (dcp.load, dcp_to_torch_save)",
                           choices=("raw", "dcp"))
-    memory_every: int = setting(0, "steps between memory snapshots (each rank's shard, node-local memory, "
-                                "written in the background); a restart resumes from the newest one every rank "
-                                "has when it is newer than the durable checkpoint; 0 = off", ge=0)
-    memory_dir: str = setting("", "where memory snapshots go (a local directory); empty = /dev/shm/rekindle-memory")
+    memory_every: Union[int, str] = setting(  # noqa: UP007 - OmegaConf reads typing.Union, not `int | str`
+        "auto", "steps between memory snapshots (each rank's shard, node-local memory, written in the background); "
+        "a restart resumes from the newest one every rank has when it is newer than the durable checkpoint; 0 = off; "
+        "auto = every step when a snapshot costs at most about 1% of a step and fits in memory_dir, else the "
+        "smallest interval that keeps that cost, or off when memory_dir is not in memory or lacks room")
+    memory_dir: str = setting("", "where memory snapshots go (a local directory); empty = $REKINDLE_MEMORY_DIR, "
+                              "else /dev/shm/rekindle-memory")
     memory_replicas: int = setting(1, "with several nodes, copies of each rank's memory snapshot on another node "
                                    "(so losing a node loses nothing in memory); 0 = none", ge=0, lt=2)
     resume: str = setting("auto", "auto: from the newest commit if any | never | required: fail without one",
                           choices=("auto", "never", "required"))
     max_failed_saves: int = setting(3, "periodic saves in a row that may fail (disk full, storage refusing) while "
                                     "training goes on; the final and emergency saves must succeed", ge=0)
+
+    def check(self, prefix: str = "") -> None:
+        every = self.memory_every
+        if isinstance(every, bool) or not (every == "auto" or (isinstance(every, int) and every >= 0)):
+            raise ConfigError(f"config key '{prefix}memory_every' must be auto or a number of steps >= 0 "
+                              f"(0 = off); got {every!r}")
 
 
 @dataclass

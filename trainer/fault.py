@@ -178,9 +178,12 @@ def slowdown(step: int, rank: int) -> float:
 
 
 def inject_faults(step: int, rank: int) -> None:
-    """REKINDLE_FAIL_AT: a deterministic exception; REKINDLE_HANG_AT: a spinning hang (first attempt)."""
+    """REKINDLE_FAIL_AT: a deterministic exception whose message, as real ones often do (a KeyError of an
+    object's id), names an address and the pid, new in every attempt; REKINDLE_HANG_AT: a spinning hang
+    (first attempt)."""
     if protocol.injected(os.environ.get(protocol.FAIL_AT_ENV, ""), step, rank):
-        raise RuntimeError(f"injected failure at step {step} ({protocol.FAIL_AT_ENV})")
+        raise RuntimeError(f"injected failure at step {step} ({protocol.FAIL_AT_ENV}; object at "
+                           f"{hex(id(object()))}, pid {os.getpid()})")
     if protocol.injected(os.environ.get(protocol.HANG_AT_ENV, ""), step, rank) and protocol.attempt() == 0:
         while True:  # a runaway loop: 100% CPU, no progress
             pass

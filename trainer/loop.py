@@ -23,6 +23,7 @@ from trainer.checkpoint import (
     CheckpointError,
     CheckpointStorageError,
     TrainState,
+    memory_auto,
     step_dir,
 )
 from trainer.checkpoint import memory as memory_tier
@@ -80,7 +81,8 @@ class Run:
     guard: NonFiniteGuard | None = None
     stragglers: StragglerWatch | None = None
     records: PendingRecords | None = None  # log records waiting for the other ranks' numbers
-    memory: memory_tier.MemoryTier | None = None  # checkpoint.memory_every > 0
+    memory: memory_tier.MemoryTier | None = None  # checkpoint.memory_every > 0 (or auto, and it fits)
+    auto_measure: memory_auto.Measure | None = None  # memory_every=auto: the first steps, until it settles
     resumed_tier: str = "none"  # where the start state came from: memory-local | memory-peer | durable | none
     restored_records: list[RecordDraft] = field(default_factory=list)  # unwritten at the memory snapshot
     start_step: int = 0
@@ -244,15 +246,57 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
     state = TrainState(world=info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model), config=cfg.to_dict())
     run = Run(cfg, info, heartbeat, preemption, stalls, shards, loader, evaluator, model, optimizer, checkpointer,
               micro_batch, flops_per_token, peak, state)
-    if ck.memory_every:
-        run.memory = memory_tier.MemoryTier(
-            ck.memory_dir or memory_tier.default_dir(), memory_tier.run_id(cfg.run.dir, info.is_main, info.world),
-            memory_tier.config_identity(state.config), info.rank, info.world, ck.memory_every, cfg.run.dir,
-            on_failure=lambda error: log.warning("memory snapshot failed (training goes on; the durable tier and "
-                                                 "older snapshots stay): %s", error),
-            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", info.world)), replicas=ck.memory_replicas)
-        log.info("memory tier: %s", run.memory.describe())
+    start_memory_tier(run)
     return run
+
+
+def start_memory_tier(run: Run) -> None:
+    """The memory tier per checkpoint.memory_every (`auto`: trainer.checkpoint.memory_auto), said in one
+    start-up line (collective: the run's record and the ranks' decisions)."""
+    cfg, info, ck = run.cfg, run.info, run.cfg.checkpoint
+    if not ck.memory_every:
+        return
+    directory = ck.memory_dir or memory_tier.default_dir()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
+    record = memory_tier.run_record(cfg.run.dir, info.is_main, info.world)
+    identity = memory_tier.config_identity(run.state.config)
+    several_nodes = info.world > local_world and ck.memory_replicas
+    every, why = memory_auto.choose(ck.memory_every, directory, memory_auto.snapshot_bytes(run.model),
+                                    memory_tier.SLOTS * (2 if several_nodes else 1), local_world,
+                                    memory_auto.kept_choice(record, identity))
+    every, why = memory_auto.agree(every, why, info.world)
+    if every == 0:
+        log.info("memory tier: off (checkpoint.memory_every=auto): %s", why)
+        return
+    run.memory = memory_tier.MemoryTier(
+        directory, record["run_id"], identity, info.rank, info.world, every or 1, cfg.run.dir,
+        on_failure=lambda error: log.warning("memory snapshot failed (training goes on; the durable tier and "
+                                             "older snapshots stay): %s", error),
+        local_world=local_world, replicas=ck.memory_replicas)
+    how_often = ""
+    if every is None:
+        run.auto_measure = memory_auto.Measure(on_cpu=info.device.type == "cpu")
+        how_often = (f"auto: every step while the first {memory_auto.MEASURED_STEPS} steps are timed, then every "
+                     f"n steps, the fewest at which a snapshot costs at most {memory_auto.COST_SHARE:.0%} of them")
+    elif ck.memory_every == "auto":
+        how_often = f"auto: every {every} step(s), as this run chose at its first start"
+    log.info("memory tier: %s", run.memory.describe(how_often))
+
+
+def measure_memory_tier(run: Run, step_s: float) -> None:
+    """checkpoint.memory_every=auto, the first steps: time them and their snapshots, then settle on the
+    interval (collective, at the same step on every rank), say it and keep it in run.dir."""
+    measure, memory = run.auto_measure, run.memory
+    measure.note(step_s, memory.call_s, memory.waited_s, memory.write_s)
+    if not measure.due():
+        return
+    memory.every, cost_s, step_s = measure.settle(run.info.world)
+    run.auto_measure = None
+    log.info("memory tier: auto chose every %d step(s): a snapshot costs %.2f ms, a step takes %.1f ms (at most "
+             "%.0f%% of the steps it covers)", memory.every, cost_s * 1e3, step_s * 1e3,
+             memory_auto.COST_SHARE * 100)
+    if run.info.is_main:
+        memory_auto.keep_choice(run.cfg.run.dir, memory.config_sha256, memory.every)
 
 
 def init_from_hf(model: Transformer, cfg: Config) -> None:
@@ -416,6 +460,8 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
     if run.memory is not None and run.memory.due(step) and not final:
         state.data = run.loader.state_dict()
         run.memory.snapshot(state, run.model, run.optimizer, records=run.records.unwritten())
+        if run.auto_measure is not None:
+            measure_memory_tier(run, time.perf_counter() - step_start)
     if run.preemption.agreed(step, info.world, info.device, last=final):
         emergency_checkpoint(run, saved)
     run.heartbeat.beat("train")

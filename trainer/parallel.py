@@ -46,10 +46,11 @@ def is_loopback(host: str) -> bool:
 
 
 def tcp_store_server(host: str, port: int, world_size: int | None, timeout: timedelta,
-                     multi_tenant: bool = False) -> dist.TCPStore:
-    """A TCPStore server that listens on `host` only (port 0: any free one). torch's own TCPStore
-    server listens on every interface, which for a loopback address would open an unauthenticated
-    store to the network. Raises OSError when the address is taken (another process hosts it)."""
+                     multi_tenant: bool = False, wait_for_workers: bool = True) -> dist.TCPStore:
+    """A TCPStore server that listens on `host` only (port 0: any free one; host "": every interface).
+    torch's own TCPStore server listens on every interface, which for a loopback address would open an
+    unauthenticated store to the network. Raises OSError when the address is taken (another process
+    hosts it)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,20 +60,56 @@ def tcp_store_server(host: str, port: int, world_size: int | None, timeout: time
         sock.close()
         raise
     port = sock.getsockname()[1]
-    return dist.TCPStore(host, port, world_size, True, timeout, multi_tenant=multi_tenant,
+    return dist.TCPStore(host or "0.0.0.0", port, world_size, True, timeout, multi_tenant=multi_tenant,
+                         wait_for_workers=wait_for_workers,
                          master_listen_fd=sock.detach())  # the store owns the listening socket from here
 
 
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's agent shares its rendezvous store (the default)
+GROUP_STORE_KEY = "rekindle/group-store"  # in that shared store: where this attempt's group store listens
+
+
 def _group_store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
-    """The process group's store when rank 0 hosts it on a loopback MASTER_ADDR: bound to that address.
-    None (torch's env:// store) for other addresses, or when the ranks use the launcher's store."""
+    """The process group's store, new for every attempt of the worker group:
+    - under plain torchrun, which by default hands the workers its own rendezvous store, the same one
+      across restarts: the restarted ranks then read the dead ranks' gloo addresses from it (`Gloo
+      connectFullMesh failed ... Connection refused`) or wait for keys that never come. Rank 0 hosts a
+      store of its own and publishes its address there (`_store_through_agent`);
+    - rank 0 hosts it on a loopback MASTER_ADDR, bound to that address;
+    - else None: torch's env:// store (rank 0 hosts it on MASTER_PORT, which the launcher picks anew for
+      each attempt)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if not is_loopback(host) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+    if os.environ.get(AGENT_STORE_ENV) == str(True):
+        return _store_through_agent(host, port, rank, world, timeout)
+    if not is_loopback(host):
         return None
     if rank == 0:
         return tcp_store_server(host, port, world, timeout)
     wait_listening(host, port, timeout.total_seconds())
     return dist.TCPStore(host, port, world, False, timeout)
+
+
+def _store_through_agent(host: str, port: int, rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """A fresh store for this attempt, found through torchrun's shared one: rank 0 serves it on a free port
+    (on `host` when that is a loopback address, else on every interface, as torch's own store) and writes
+    `host:port` under GROUP_STORE_KEY; the other ranks read the key until it names a store that accepts
+    connections. A key left by an earlier attempt names a store that died with its rank 0 (torchrun stops
+    every worker before it starts new ones), so it refuses connections until the new rank 0 rewrites the
+    key. Bounded by `timeout`."""
+    agent = dist.TCPStore(host, port, None, False, timeout)
+    if rank == 0:
+        server = tcp_store_server(host if is_loopback(host) else "", 0, world, timeout, wait_for_workers=False)
+        agent.set(GROUP_STORE_KEY, f"{host}:{server.port}")
+        return server
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        where = agent.get(GROUP_STORE_KEY).decode()
+        store_host, _, store_port = where.rpartition(":")
+        if wait_listening(store_host, int(store_port), 0.05):
+            return dist.TCPStore(store_host, int(store_port), world, False, timeout)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"rank 0's process-group store ({where}, read from torchrun's store at "
+                               f"{host}:{port}) did not accept connections within {timeout.total_seconds():.0f}s")
 
 
 def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.01) -> bool:

@@ -1,12 +1,14 @@
 """Bad input that no restart can fix, under the launcher and the exporter: a data path that does not
-exist, a manifest that is not UTF-8, an export of an empty directory. Each is one `error:` line and
+exist, a manifest that is not UTF-8, a truncated shard, an export of an empty directory. Each is one `error:` line and
 exit code 2, and the launcher does not restart the ranks."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
+from data.corpus import ensure_builtin
 from tests.helpers import REPO, child_env
 from tests.integration.test_launch_faults import finish, launch
 from trainer.protocol import read_events
@@ -16,9 +18,14 @@ def test_bad_input_is_one_line_exit_2_and_never_restarted(cache_dir, tmp_path):
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "manifest.json").write_bytes(b"\xff\xfe not a manifest \x80")
+    truncated = tmp_path / "truncated"  # the built-in corpus, its shards cut short
+    shutil.copytree(ensure_builtin(512, 1.0, progress=False), truncated)
+    for shard in truncated.glob("shard-*.bin"):
+        shard.write_bytes(shard.read_bytes()[:-64])
     cases = {
         f"data.path={tmp_path / 'nowhere'}": f"the data path {tmp_path / 'nowhere'} does not exist",
         f"data.path={corrupt}": "manifest.json",
+        f"data.path={truncated}": "bytes, the manifest says",
     }
     for n, (override, why) in enumerate(cases.items()):
         run_dir = tmp_path / f"run{n}"

@@ -44,13 +44,13 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> str:
     return out
 
 
-def wait_for_step(run_dir: Path, step: int, timeout: float = 90, rank: int = 0) -> dict:
-    """The heartbeat record of `rank` once it has finished `step` (bounded wait)."""
+def wait_for_step(run_dir: Path, step: int, timeout: float = 90, rank: int = 0, attempt: int | None = None) -> dict:
+    """The heartbeat record of `rank` once it has finished `step` (bounded wait), in `attempt` if given."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for directory in run_dir.glob("heartbeats-*"):
             beat = read_heartbeats(directory).get(rank)
-            if beat and beat["step"] >= step and beat["phase"] == "train":
+            if beat and beat["step"] >= step and beat["phase"] == "train" and attempt in (None, beat["attempt"]):
                 return beat
         time.sleep(0.05)
     raise AssertionError(f"rank {rank} did not reach step {step} within {timeout}s")
@@ -173,14 +173,18 @@ def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_d
 
 
 def test_crash_loop_stops_early_with_its_own_exit_code_and_names_the_cause(cache_dir, tmp_path):
+    """Every rank raises at step 12 in every attempt, with a message that names an address and a pid (new
+    each attempt), and whichever rank the launcher blames: the same failure, so a crash loop (exit 3)
+    after fault.crash_loop_repeats attempts, not a restart budget spent with backoff."""
     proc = launch(tmp_path, ["train.steps=40", "checkpoint.every=5", "fault.crash_loop_repeats=3",
-                             "fault.max_restarts=10"], env={"REKINDLE_FAIL_AT": "12:1"})
+                             "fault.max_restarts=10"], env={"REKINDLE_FAIL_AT": "12"})
     out = finish(proc)
     assert proc.returncode == 3, out[-4000:]
     assert "crash loop" in out and "injected failure at step 12" in out
     events = read_events(tmp_path)
     failures = [e for e in events if e["event"] == "failure"]
-    assert len(failures) == 3 and all(f["step"] == 12 and f["rank"] == 1 for f in failures), failures
+    assert len(failures) == 3 and all(f["step"] == 12 for f in failures), failures
+    assert len({f["message"] for f in failures}) == 3, failures  # the messages differ; the failure does not
     assert "RuntimeError: injected failure at step 12" in failures[0]["message"]
     assert "inject_faults" in failures[0]["traceback"]
     assert sum(e["event"] == "restart" for e in events) == 2

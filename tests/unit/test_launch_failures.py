@@ -124,6 +124,33 @@ def test_the_same_hang_with_another_pid_is_the_same_failure_for_the_policy():
     assert spinning.signature() != hangs[0].signature()
 
 
+def test_the_same_exception_raised_in_the_same_place_is_the_same_failure_whatever_its_message_says():
+    """A KeyError of an object's id (a new address every attempt), blamed on rank 1, then on rank 0:
+    the same failure (exception type and the innermost frames of this project's code), so a crash loop.
+    Another type, or the same type raised elsewhere, is another failure."""
+    root = failures.PROJECT_ROOT
+
+    def stack(*frames: tuple[str, int, str]) -> str:
+        return "".join(f'  File "{path if path.startswith("/") else root / path}", line {line}, in {fn}\n'
+                       for path, line, fn in frames)
+
+    here = stack(("trainer/loop.py", 120, "train"), ("/venv/site-packages/torch/utils/data/x.py", 5, "f"),
+                 ("trainer/checkpoint/memory.py", 125, "local_tensors"))
+    loop = [failures.from_exits({rank: RankExit(rank, rank, 1, 3.0, error(f"KeyError: {address}", here))}, set(),
+                                {rank: {"step": 120}}, 0)[0] for rank, address in ((1, 140505901709648), (0, 1405059))]
+    assert loop[0].key == "KeyError at trainer/checkpoint/memory.py:125:local_tensors < trainer/loop.py:120:train"
+    assert loop[0].signature() == loop[1].signature() and loop[0].message != loop[1].message
+    policy = RestartPolicy(max_restarts=10, crash_loop_repeats=3)
+    assert [policy.decide(f).restart for f in (*loop, loop[0])] == [True, True, False]
+
+    other = [error("ValueError: 7", here), error("KeyError: 7", stack(("trainer/loop.py", 99, "resume")))]
+    assert len({loop[0].key, *(failures.failure_key(e) for e in other)}) == 3
+    # No traceback: the first line, its numbers (pids, addresses, ports) left out.
+    assert failures.failure_key({"message": "RuntimeError: at 0x7f3a pid 4242"}) == "RuntimeError: at N pid N"
+    assert Failure(0, "exit", 5, 1, message="lost 127.0.0.1:4001").signature() == \
+        Failure(1, "exit", 5, 1, message="lost 127.0.0.1:4002").signature()
+
+
 def test_storage_failures_back_off_past_the_crash_loop_rule_and_end_with_exit_4():
     """A rank that exits 4 (storage unusable or stalled, within storage.*'s bounds) is a storage failure,
     named in one line without a traceback; storage may come back, so the same failure again is no crash

@@ -10,7 +10,7 @@ import os
 import torch
 
 from tests.helpers import assert_same, trained
-from trainer.checkpoint import TrainState
+from trainer.checkpoint import TrainState, memory_auto
 from trainer.checkpoint.memory import MemoryTier
 
 
@@ -45,7 +45,7 @@ def test_a_snapshot_restores_the_state_bit_for_bit(tmp_path):
 def test_each_snapshot_has_the_tensors_as_they_are_then(tmp_path):
     """The tensor list and its byte views are kept from one snapshot to the next: they must alias the
     live tensors (an optimizer step changes them in place), and be listed anew when the optimizer's
-    state is replaced (a load)."""
+    state is replaced (a load), its dicts or only the tensors in them."""
     model, opt = trained(0)
     memory = tier(tmp_path)
     memory.snapshot(TrainState(step=1), model, opt)
@@ -57,9 +57,12 @@ def test_each_snapshot_has_the_tensors_as_they_are_then(tmp_path):
         opt.step()
         opt.zero_grad()
 
-    for n in (2, 3):
+    for n in (2, 3, 4):
         if n == 3:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors; the step changes only those
+        if n == 4:  # new tensors in the same state dicts (whose ids a key of ids took for the same state)
+            for state in opt.state.values():
+                state["exp_avg"] = state["exp_avg"].clone()
         step()
         memory.snapshot(TrainState(step=n), model, opt)
         memory.wait()
@@ -124,3 +127,34 @@ def test_a_failed_write_is_said_once_and_training_goes_on(tmp_path):
     memory.snapshot(TrainState(step=3), model, opt)  # slot 0
     memory.wait()
     assert steps(memory) == [3] and memory.failed_in_a_row == 0
+
+
+def test_auto_is_off_on_a_disk_or_without_room_and_an_explicit_interval_is_used_as_it_is(tmp_path, memory_tier_dir):
+    """memory_every=auto before training: off, saying why, when memory_dir is on a disk, or when the
+    snapshots of the node's ranks would take more than a quarter of the free space; measured first when
+    they fit; the interval an earlier attempt chose, at once; a number (or 0) as it is."""
+    memory = memory_tier_dir / "unit-auto"  # in memory (/dev/shm) where the machine has one
+    if memory_auto.filesystem_type(memory_tier_dir) in memory_auto.MEMORY_FILESYSTEMS:
+        every, why = memory_auto.choose("auto", str(memory), shard_bytes=10**18, copies=3, local_world=2, kept=None)
+        assert every == 0 and why.startswith(f"not enough room in {memory}: the snapshots of this node's 2 rank(s)")
+        assert memory_auto.choose("auto", str(memory), 1000, 3, 2, kept=None) == (None, "")
+        assert memory_auto.choose("auto", str(memory), 1000, 3, 2, kept=4) == (4, "")
+    disk = tmp_path / "disk"
+    if (kind := memory_auto.filesystem_type(tmp_path)) not in (*memory_auto.MEMORY_FILESYSTEMS, ""):
+        every, why = memory_auto.choose("auto", str(disk), 1000, 3, 2, kept=4)
+        assert every == 0 and f"memory_dir {disk} is on a disk ({kind}), not in memory" in why
+    assert memory_auto.choose(0, str(disk), 10**18, 3, 2, kept=4) == (0, "")
+    assert memory_auto.choose(5, str(disk), 10**18, 3, 2, kept=4) == (5, "")
+
+
+def test_auto_settles_on_the_fewest_steps_that_keep_a_snapshot_near_one_percent():
+    measure = memory_auto.Measure(on_cpu=True)
+    for _ in range(memory_auto.MEASURED_STEPS):
+        assert not measure.due()
+        measure.note(step_s=0.1, call_s=0.0002, waited_total_s=0.0, write_s=0.0028)  # 3 ms of 100 ms steps
+    assert measure.due() and measure.settle(world=1) == (3, 0.003, 0.1)
+    gpu = memory_auto.Measure(on_cpu=False)  # on a GPU the background write does not count
+    for n in range(memory_auto.MEASURED_STEPS):
+        gpu.note(step_s=0.1, call_s=0.0002, waited_total_s=0.0001 * n, write_s=0.5)
+    every, cost, _ = gpu.settle(world=1)
+    assert every == 1 and abs(cost - 0.0003) < 1e-12

@@ -28,6 +28,8 @@ The package, by job:
   checkpointer  Checkpointer: the collective save / commit / discover / load
   memory        the memory tier (checkpoint.memory_every): each rank's shard in node-local memory every few
                 steps, copies on the next node, the restore plan; a restart prefers it when it is newer
+  memory_auto   checkpoint.memory_every=auto: the interval that keeps a snapshot's cost near 1% of the steps,
+                or off, saying why (memory_dir on a disk, not enough room)
 Fault injection for tests (`REKINDLE_CRASH_AT`) is in trainer.fault.
 """
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import base64
 import json
+import operator
 import os
 import shutil
 import time
@@ -65,34 +66,42 @@ log = logs.get_logger("memory")
 SLOTS = 3
 IOV_MAX = 1024  # buffers per pwritev (Linux's limit)
 VERSION = 1
-RUN_ID_FILE = "memory-tier.json"  # in run.dir: {"run_id": ...}, made by the run's first start
+RUN_ID_FILE = "memory-tier.json"  # in run.dir: {"run_id": ..., "auto_every": ...}, made by the run's first start
 OWNER = "owner.json"  # in the run's memory directory: {"run_dir": ...}
 
 
+MEMORY_DIR_ENV = "REKINDLE_MEMORY_DIR"  # the default checkpoint.memory_dir, where set
+
+
 def default_dir() -> str:
-    """/dev/shm/rekindle-memory when there is a /dev/shm (memory, survives the process), else $TMPDIR."""
+    """$REKINDLE_MEMORY_DIR; else /dev/shm/rekindle-memory when there is a /dev/shm (memory, survives the
+    process); else $TMPDIR."""
+    if os.environ.get(MEMORY_DIR_ENV):
+        return os.environ[MEMORY_DIR_ENV]
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
     return str(base / "rekindle-memory")
 
 
-def run_id(run_dir: str, is_main: bool, world: int) -> str:
-    """This run's id: made once by rank 0 (run.dir/memory-tier.json), the same on every rank. A run.dir
-    made afresh gets a new id, so snapshots of an earlier run under the same name are never loaded."""
-    rid = ""
+def run_record(run_dir: str, is_main: bool, world: int) -> dict:
+    """This run's record (run.dir/memory-tier.json): its id, made once by rank 0, and what
+    `checkpoint.memory_every=auto` settled on (trainer.checkpoint.memory_auto); the same on every rank. A
+    run.dir made afresh gets a new id, so snapshots of an earlier run under the same name are never loaded."""
+    record: dict = {}
     if is_main:
         path = Path(run_dir) / RUN_ID_FILE
         try:
-            rid = json.loads(path.read_text())["run_id"]
-        except (OSError, ValueError, KeyError, TypeError):
-            rid = uuid.uuid4().hex[:16]
-            storage.write_file(storage.filesystem(str(path))[0], str(path), json.dumps({"run_id": rid}).encode(),
-                               durable=True)
+            record = json.loads(path.read_text())
+            if not isinstance(record.get("run_id"), str):
+                raise ValueError("no run id")
+        except (OSError, ValueError, AttributeError):
+            record = {"run_id": uuid.uuid4().hex[:16]}
+            storage.write_file(storage.filesystem(str(path))[0], str(path), json.dumps(record).encode(), durable=True)
     if world > 1:
-        box = [rid]
+        box = [record]
         dist.broadcast_object_list(box, src=0)
-        rid = box[0]
-    return rid
+        record = box[0]
+    return record
 
 
 def config_identity(config: dict) -> str:
@@ -109,19 +118,45 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _held(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local data: the DTensor's local shard, else the parameter."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
     """This rank's tensors of the training state, in a fixed order: the model's parameters and persistent
-    buffers, then each parameter's optimizer state. Writing into them restores the state in place."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    buffers, then each parameter's optimizer state. Writing into them restores the state in place.
+
+    The parameters are the optimizer's (always the sharded ones), named through the model. `state_dict()`
+    comes first: FSDP2's pre-save hook reshards the modules that a forward without backward (an eval)
+    left unsharded, whose attributes are until then the unsharded parameters, not the optimizer's."""
     persistent = set(model.state_dict().keys())
-    out = [(f"model.{name}", _local(p.detach())) for name, p in model.named_parameters()]
+    names = {p: name for name, p in model.named_parameters()}  # keyed by the objects (held), not their ids
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i, p in enumerate(params) if p not in names]
+    if missing:
+        raise ValueError(f"optimizer parameter(s) {missing} are not among the model's parameters")
+    out = [(f"model.{name}", _held(p.detach())) for name, p in model.named_parameters()]
     out += [(f"model.{name}", _local(b)) for name, b in model.named_buffers() if name in persistent]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in sorted(optimizer.state.get(p, {}).items()):
-                if torch.is_tensor(value):
-                    out.append((f"optim.{names[id(p)]}.{key}", _local(value)))
+    for p in params:
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if torch.is_tensor(value):
+                out.append((f"optim.{names[p]}.{key}", _local(value)))
     return out
+
+
+def state_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[int]]:
+    """What a listing of `local_tensors` stands for: the objects (the model, the optimizer, each parameter
+    and each optimizer state tensor: a load may replace these) and the address of each parameter's local
+    shard (FSDP2's lazy init may move it; `to_local()` returns a new view object each time)."""
+    objects: list[Any] = [model, optimizer]
+    addresses: list[int] = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                objects += (p, *(v for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v)))
+                addresses.append(_held(p).data_ptr())
+    return objects, addresses
 
 
 def _hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -160,9 +195,11 @@ class MemoryTier:
         self.bytes = 0
         self._sized = False
         self.waited_s = 0.0
+        self.call_s = 0.0  # the last snapshot() on the training thread, less its wait for the previous one
+        self.write_s = 0.0  # the last background write (and exchange) that finished
         self.skipped: list[str] = []  # why the last scan passed over parts on this node
         self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
-        self._layout_cache: tuple[tuple, tuple[list, list[torch.Tensor], int]] | None = None
+        self._layout_cache: tuple[list, list[int], tuple[list, list[torch.Tensor], int]] | None = None
 
     def _sweep(self, owner: dict) -> None:
         """Remove the snapshots that earlier runs of this run.dir left on this node (a run.dir made afresh
@@ -187,6 +224,7 @@ class MemoryTier:
         finished (optimizer.step() waited for it). `records`: the metrics records not written yet
         (objects with `to_json()`, serialized by the writer), given back by `load` as `restored_extra`."""
         self.wait()
+        start = time.perf_counter()
         if id(optimizer) not in self._hooked:
             optimizer.register_step_pre_hook(lambda *_: self.wait())
             self._hooked.add(id(optimizer))
@@ -201,15 +239,21 @@ class MemoryTier:
             "param_groups": _hyper_parameters(optimizer), "records": list(records),
         }
         self._pending = self._writer.submit(self._write, header, layout)
+        self.call_s = time.perf_counter() - start
 
     def _layout(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list[torch.Tensor], int]:
         """The part's layout: the header's tensor table (`local_tensors`), flat byte views of the non-empty
-        tensors and the total size. Kept from one snapshot to the next while the optimizer's state is the
-        same objects (updated in place) and the tensors are contiguous (the views then alias them):
-        listing them anew took more than a millisecond a step."""
-        key = (id(model), id(optimizer), tuple(map(id, optimizer.state.values())))
-        if self._layout_cache is not None and self._layout_cache[0] == key:
-            return self._layout_cache[1]
+        tensors and the total size. Kept from one snapshot to the next while `state_key` is the same (the
+        tensors are updated in place) and the tensors are contiguous (the views then alias them): listing
+        them anew cost more than a millisecond a step. The cache holds the objects themselves, and its
+        views hold the shards' memory, so neither an id nor an address can be reused by a replacement
+        while it is kept (a load frees the optimizer's state: a key of ids matched the new objects)."""
+        objects, addresses = state_key(model, optimizer)
+        if self._layout_cache is not None:
+            kept, kept_addresses, layout = self._layout_cache
+            if kept_addresses == addresses and len(kept) == len(objects) and all(map(operator.is_, kept, objects)):
+                return layout
+            self._layout_cache = None
         tensors = local_tensors(model, optimizer)
         table, at = [], 0
         for name, t in tensors:
@@ -219,7 +263,7 @@ class MemoryTier:
         flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors if t.numel()]
         layout = (table, flat, at)
         if all(t.is_contiguous() for _, t in tensors):
-            self._layout_cache = (key, layout)
+            self._layout_cache = (objects, addresses, layout)
         return layout
 
     def _slot(self, step: int) -> int:
@@ -234,12 +278,14 @@ class MemoryTier:
         """This rank's part into its slot, then (with replicas) the exchange with the buddies. The
         exchange happens whatever became of the write, so that no peer waits for a part that never comes."""
         error: Exception | None = None
+        start = time.perf_counter()
         try:
             self._write_part(header, layout)
         except Exception as e:  # noqa: BLE001 - raised after the exchange
             error = e
         if self._group is not None:
             self._exchange(header["step"], ok=error is None)
+        self.write_s = time.perf_counter() - start
         if error is not None:
             raise error
 
@@ -433,12 +479,12 @@ class MemoryTier:
             except OSError:
                 pass  # another rank's slots are still there: that rank removes the directory
 
-    def describe(self) -> str:
-        """Where and how much, for the start-up line."""
+    def describe(self, how_often: str = "") -> str:
+        """Where and how much, for the start-up line; `how_often` replaces "every N step(s)"."""
         free = shutil.disk_usage(self.dir).free
         copies = f" + {SLOTS} peer copies (on the next node)" if self.replicas else ""
-        return (f"every {self.every} step(s) to {self.dir}: {SLOTS} slots per rank{copies}, each the size of "
-                f"the rank's shard of the model and optimizer; {free / 1e9:,.1f} GB free there")
+        return (f"{how_often or f'every {self.every} step(s)'} to {self.dir}: {SLOTS} slots per rank{copies}, "
+                f"each the size of the rank's shard of the model and optimizer; {free / 1e9:,.1f} GB free there")
 
 
 def _head_of(binary: Path) -> Path:
