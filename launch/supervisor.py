@@ -278,10 +278,9 @@ class Supervisor:
             return EXIT_PREEMPTED, "preempted"
         if not self._ranks_at_signal or attempt is None or attempt.steps_run == 0:
             return EXIT_PREEMPTED, "preempted (nothing was trained since the last commit)"
-        last = f"the last commit (step {newest[0]})" if newest else "the start (no commit yet)"
         return EXIT_PREEMPTED, (f"preempted, but no emergency checkpoint of step {trained} was committed within "
                                 f"fault.preempt_grace_s={self.cfg.fault.preempt_grace_s:g}s: the next launch "
-                                f"resumes from {last}")
+                                f"resumes from the last commit" + (f" (step {newest[0]})" if newest else ""))
 
     def _finish(self) -> int:
         code, outcome = self._outcome()

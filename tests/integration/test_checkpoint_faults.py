@@ -9,6 +9,7 @@ the 2-rank worker of the resharding test."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,25 +37,24 @@ from trainer.protocol import read_events
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def test_no_usable_checkpoint_starts_fresh_or_fails_when_required(cache_dir, tmp_path):
+def test_no_usable_checkpoint_starts_fresh_or_fails_when_required_and_resume_never_refuses_it(cache_dir, tmp_path):
+    """With no committed checkpoint, resume=required fails and the default starts fresh. Then
+    resume=never over the committed step that run left would, at the next resume, mix two runs:
+    refused, and nothing is deleted."""
     proc = run_trainer(tmp_path, ["train.steps=2", "checkpoint.resume=required"], check=False)
     assert proc.returncode == 1
     assert "checkpoint.resume=required but no usable committed checkpoint" in proc.stderr
-    proc = run_trainer(tmp_path, ["train.steps=2"])
+    proc = run_trainer(tmp_path, ["train.steps=2", "checkpoint.every=2"])
     assert "starting fresh" in proc.stdout
-
-
-def test_resume_never_refuses_a_directory_with_committed_steps(cache_dir, tmp_path):
-    """resume=never over committed checkpoints would, at the next resume, mix two runs: refused, and
-    nothing is deleted."""
-    run_trainer(tmp_path, ["train.steps=2", "checkpoint.every=2"])
     proc = run_trainer(tmp_path, ["train.steps=2", "checkpoint.resume=never"], check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "checkpoint.resume=never, but" in proc.stderr and "holds committed step(s) [2]" in proc.stderr
     assert (tmp_path / "checkpoints" / "step-00000002" / COMMIT).exists()
 
 
-STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=0", "checkpoint.every=4", "checkpoint.keep=5"]
+# The durable tier alone (memory_every=0): these tests are about what it commits and what a resume finds there.
+STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=0", "checkpoint.every=4", "checkpoint.keep=5",
+         "checkpoint.memory_every=0"]
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +64,18 @@ def two_rank_reference(cache_dir, tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("point", ["shards@8:1", "commit@8:0"])
-def test_rank_killed_during_save_resumes_from_previous_commit(two_rank_reference, tmp_path, point):
+def test_rank_killed_during_save_resumes_from_previous_commit(two_rank_reference, tmp_path):
     """shards: rank 1 dies as the step-8 save starts while rank 0 writes; commit: rank 0 dies after
-    every shard of step 8 is written but before COMMIT.json."""
-    crashed = subprocess.run(trainer_cmd(2, SMOKE, [f"run.dir={tmp_path}", "log.progress=false", *STEPS]), cwd=REPO,
-                             env=child_env(REKINDLE_CRASH_AT=point), capture_output=True, text=True, timeout=180)
-    assert crashed.returncode != 0 and "Signal 9 (SIGKILL)" in crashed.stderr + crashed.stdout
-    assert not (tmp_path / "checkpoints" / "step-00000008" / COMMIT).exists()
+    every shard of step 8 is written but before COMMIT.json. One run directory: the commit crash comes in
+    the run that resumed from step 4 after the shards crash; the third run resumes from step 4 again and
+    gives the uninterrupted run's losses."""
+    for point in ("shards@8:1", "commit@8:0"):
+        crashed = subprocess.run(trainer_cmd(2, SMOKE, [f"run.dir={tmp_path}", "log.progress=false", *STEPS]),
+                                 cwd=REPO, env=child_env(REKINDLE_CRASH_AT=point), capture_output=True, text=True,
+                                 timeout=180)
+        assert crashed.returncode != 0 and "Signal 9 (SIGKILL)" in crashed.stderr + crashed.stdout, point
+        assert not (tmp_path / "checkpoints" / "step-00000008" / COMMIT).exists(), point
+        assert point.startswith("shards") or "resumed from step 4 " in crashed.stdout
     resumed = run_trainer(tmp_path, STEPS, nproc=2)
     assert "resumed from step 4 " in resumed.stdout
     ref, after = read_metrics(two_rank_reference), read_metrics(tmp_path)
@@ -104,7 +108,10 @@ def test_resharded_resume_continues_the_same_run(two_rank_reference, cache_dir, 
     """Save with `first` ranks, resume the step-4 checkpoint on `second` ranks: same samples, same
     losses within reduction-order tolerance. Step 12 has a bit flipped in the last rank's shard (on 2
     ranks, rank 1 verifies that file): every rank must agree to skip it."""
-    run_trainer(tmp_path, STEPS, nproc=first)
+    if first == 2:  # that run is the reference: its copy
+        shutil.copytree(two_rank_reference, tmp_path, dirs_exist_ok=True)
+    else:
+        run_trainer(tmp_path, STEPS, nproc=first)
     subprocess.run(["rm", "-rf", step_dir(str(tmp_path / "checkpoints"), 8)], check=True)
     corrupt(Path(step_dir(str(tmp_path / "checkpoints"), 12)) / f"__{first - 1}_0.distcp", "flip")
     proc = run_trainer(tmp_path, STEPS, nproc=second)

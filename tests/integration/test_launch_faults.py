@@ -130,13 +130,14 @@ def test_sigterm_to_one_rank_is_recorded_as_that_ranks_preemption(cache_dir, tmp
 def test_a_relaunch_after_the_launcher_was_killed_counts_the_lost_steps(cache_dir, tmp_path):
     """The launcher itself is SIGKILLed (its ranks die with it): the next launch on that run.dir finds
     the dead launcher's last heartbeats, and its resume event says how many steps were redone."""
-    first = launch(tmp_path, ["train.steps=60", "checkpoint.every=10"])
+    durable = ["train.steps=60", "checkpoint.every=10", "checkpoint.memory_every=0"]  # the steps since a commit: redone
+    first = launch(tmp_path, durable)
     reached = wait_for_step(tmp_path, 15)["step"]
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     time.sleep(1.0)  # the ranks die with their launcher (PR_SET_PDEATHSIG)
     reached = max([reached] + [b["step"] for d in tmp_path.glob("heartbeats-*") for b in read_heartbeats(d).values()])
-    second = launch(tmp_path, ["train.steps=60", "checkpoint.every=10"])
+    second = launch(tmp_path, durable)
     out = finish(second)
     assert second.returncode == 0, out[-4000:]
     resume = next(e for e in read_events(tmp_path) if e["event"] == "resume")

@@ -7,6 +7,7 @@ processes, real kills, real files; every wait bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,8 +39,10 @@ def reference(cache_dir, tmp_path_factory) -> Path:
     return run_dir
 
 
-def assert_same_run(ours: Path, reference: Path, steps: int = STEPS) -> None:
+def assert_same_run(ours: Path, reference: Path) -> None:
+    """Per-step losses and final parameters (the newest commit) bit-identical to the reference run's."""
     mine, theirs = read_metrics(ours), read_metrics(reference)
+    steps = max(theirs)
     assert [mine[s]["loss"] for s in range(1, steps + 1)] == [theirs[s]["loss"] for s in range(1, steps + 1)]
     a, b = load_final(ours), load_final(reference)
     assert a["step"] == b["step"] == steps
@@ -92,18 +95,39 @@ def test_plain_torchrun_restarts_a_sigkilled_rank_from_memory_forming_its_groups
            f"--master-port={free_port()}", "-m", "trainer", str(REPO / "configs/smoke.yaml"), f"run.dir={run_dir}",
            "log.progress=false", "train.log_every=1", "train.eval_every=0", *BASE, "checkpoint.memory_every=1",
            f"checkpoint.memory_dir={shm}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    deadline = time.time() + 90
-    while not ((beat := read_heartbeats(beats).get(1)) and beat["step"] >= 15 and beat["phase"] == "train"):
-        assert time.time() < deadline and proc.poll() is None, "rank 1 did not reach step 15"
-        time.sleep(0.05)
-    os.kill(beat["pid"], signal.SIGKILL)
-    out = finish(proc, timeout=120)
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while not ((beat := read_heartbeats(beats).get(1)) and beat["step"] >= 15 and beat["phase"] == "train"):
+            assert time.time() < deadline and proc.poll() is None, "rank 1 did not reach step 15"
+            time.sleep(0.05)
+        os.kill(beat["pid"], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        kill_tree(proc.pid)  # torchrun's workers do not die with it: none may outlive the test
+    out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
     assert "connectFullMesh" not in out and "Traceback" not in out, out[-4000:]
     assert out.count("resumed from step") == 1 and "(memory snapshot in" in out, out[-4000:]
     assert_same_run(run_dir, reference)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it (found through /proc, before any is killed)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += parents.get(tree[i], [])
+        i += 1
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def test_a_lost_node_resumes_from_the_copies_on_the_other_node(reference, tmp_path):

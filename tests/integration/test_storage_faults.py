@@ -13,8 +13,9 @@ from tests.integration.test_launch_faults import finish, launch
 from trainer.protocol import read_events, read_jsonl
 from trainer.testing import TcpProxy
 
-BOUNDS = ["storage.timeout_s=2", "storage.stall_s=6", "fault.hang_timeout_s=60", "fault.preempt_grace_s=8",
-          "train.steps=150", "checkpoint.every=10", "fault.max_restarts=20"]
+GRACE = 5  # fault.preempt_grace_s: each SIGTERM below, with storage that does not answer, takes all of it
+BOUNDS = ["storage.timeout_s=2", "storage.stall_s=6", "fault.hang_timeout_s=60", f"fault.preempt_grace_s={GRACE}",
+          "train.steps=40", "checkpoint.every=10", "fault.max_restarts=20"]
 
 
 def wait_for(what: str, check, timeout: float) -> float:
@@ -28,16 +29,16 @@ def wait_for(what: str, check, timeout: float) -> float:
 
 
 def sigterm_exit(proc, run_dir) -> int:
-    """SIGTERM to the launcher: it must end within the grace period (8 s; a margin for this machine's
+    """SIGTERM to the launcher: it must end within the grace period (GRACE s; a margin for this machine's
     load), writing its `done` record; returns its exit code."""
     os.kill(proc.pid, signal.SIGTERM)
     signalled = time.monotonic()
     out = finish(proc, timeout=60)
-    assert time.monotonic() - signalled < 8 + 4, out[-3000:]
+    assert time.monotonic() - signalled < GRACE + 4, out[-3000:]
     events = read_events(run_dir)
     done, preempt = events[-1], next(e for e in reversed(events) if e["event"] == "preempt")
     assert done["event"] == "done" and done["exit_code"] == proc.returncode, (done, out[-3000:])
-    assert done["time"] - preempt["time"] < 8.5, (preempt, done)  # the launcher's own clock: signal to done
+    assert done["time"] - preempt["time"] < GRACE + 0.5, (preempt, done)  # the launcher's own clock: signal to done
     return proc.returncode
 
 
@@ -77,7 +78,8 @@ def test_storage_that_stops_answering_is_bounded_named_and_resumed_bit_identical
         time.sleep(2.0)  # the ranks train on to the next save, and stall in it
         assert sigterm_exit(second, tmp_path) == 75
         outcome = events()[-1]["outcome"]
-        assert "no emergency checkpoint of step" in outcome and "resumes from the last commit (step" in outcome
+        assert "no emergency checkpoint of step" in outcome, outcome
+        assert "the next launch resumes from the last commit" in outcome, outcome
 
         # The endpoint answers again: a new launch resumes and finishes; the redone steps are bit-identical.
         proxy.resume()
@@ -96,7 +98,7 @@ def test_storage_that_stops_answering_is_bounded_named_and_resumed_bit_identical
             assert loss == first_loss[step], (step, loss, first_loss[step])
             redone += 1
         first_loss[step] = loss
-    assert redone > 0 and max(first_loss) == 150
+    assert redone > 0 and max(first_loss) == 40
 
 
 def test_a_full_disk_fails_periodic_saves_without_ending_the_run(cache_dir, tmp_path):

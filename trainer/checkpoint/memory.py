@@ -48,6 +48,7 @@ import os
 import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
@@ -188,7 +189,7 @@ class MemoryTier:
             self._sweep(owner)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="memory")
         self._pending: Future | None = None
-        self._hooked: set[int] = set()
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # optimizers that wait for the writes (not ids)
         self._staging: torch.Tensor | None = None  # on a GPU: the part's bytes in pinned memory, reused
         self.on_failure = on_failure or (lambda message: None)
         self.failed_in_a_row = 0
@@ -225,9 +226,9 @@ class MemoryTier:
         (objects with `to_json()`, serialized by the writer), given back by `load` as `restored_extra`."""
         self.wait()
         start = time.perf_counter()
-        if id(optimizer) not in self._hooked:
+        if optimizer not in self._hooked:
             optimizer.register_step_pre_hook(lambda *_: self.wait())
-            self._hooked.add(id(optimizer))
+            self._hooked.add(optimizer)
         layout = self._layout(model, optimizer)
         # The train state without the config and model arguments (the same as the run's: config_sha256)
         # and without copies: none of its values is changed in place while the writer runs.

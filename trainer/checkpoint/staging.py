@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,13 +29,13 @@ class AsyncStager:
         self._buffer: dict | None = None  # CPU copy of the state, reused from save to save
         self._staged = threading.Event()
         self._staged.set()
-        self._hooks: dict[int, Any] = {}
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by optimizer (not its id)
         self.waited_s = 0.0  # time optimizer.step() waited for the copy since the last submit
 
     def submit(self, sd: dict, optimizer: torch.optim.Optimizer, write: Callable[[dict, Any], dict]) -> Future:
         """Start copying `sd`, then `write(copy, group)` in the background; returns the write's future."""
-        if id(optimizer) not in self._hooks:
-            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+        if optimizer not in self._hooks:
+            self._hooks[optimizer] = optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
         self._staged = threading.Event()
         self.waited_s = 0.0
         return self._writer.submit(self._stage_and_write, sd, write, self._staged)
