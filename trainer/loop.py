@@ -431,7 +431,6 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
     state.step, state.tokens_seen = step, state.tokens_seen + run.tokens_per_step
     run.checkpointer.poll()  # completes (or fails loudly) a background save once every rank has written it
     run.busy_s += time.perf_counter() - step_start
-    run.heartbeat.beat("train", step=step, busy_s=run.busy_s, steps_run=step - run.start_step)
     if step == run.start_step + 1:  # start-up is over: hangs from here on should fail fast
         parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
         # The heap has its steady size now: back it with 2 MiB pages. Not after a restart: the collapse
@@ -462,9 +461,11 @@ def after_step(run: Run, result: StepResult, step_start: float, data_wait: float
         run.memory.snapshot(state, run.model, run.optimizer, records=run.records.unwritten())
         if run.auto_measure is not None:
             measure_memory_tier(run, time.perf_counter() - step_start)
+    # The step is reported done (the launcher counts lost steps from it) once its snapshot is under way:
+    # a failure in the bookkeeping before it would otherwise redo a step that had been reported.
+    run.heartbeat.beat("train", step=step, busy_s=run.busy_s, steps_run=step - run.start_step)
     if run.preemption.agreed(step, info.world, info.device, last=final):
         emergency_checkpoint(run, saved)
-    run.heartbeat.beat("train")
     trace = run.profiler.after_step(step)
     if trace is not None:
         log.info("profiler trace of steps %s -> %s", cfg.profile.steps, trace)
