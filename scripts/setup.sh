@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv and installs rekindle with its dev tools. Idempotent: a second run only checks.
-# On machines without a GPU, torch is pinned to the CPU build 2.13.0 first, so pip never reaches
+# On machines without a GPU, torch is pinned to the CPU build 2.13.0, so the installer never reaches
 # for a multi-GB CUDA build. Set REKINDLE_TORCH to override the torch requirement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
