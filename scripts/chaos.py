@@ -29,7 +29,7 @@ from pathlib import Path
 
 from trainer import logs
 from trainer.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import free_port
+from trainer.testing import free_port, kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ class Nodes:
 
     def lose(self, node: int) -> None:
         """A lost node: the launcher and its ranks SIGKILLed, its memory gone; a replacement joins."""
-        os.killpg(self.procs[node].pid, signal.SIGKILL)
+        kill_tree(self.procs[node].pid)
         self.procs[node].wait(timeout=60)
         shutil.rmtree(self.memory_dir(node), ignore_errors=True)
         self.procs[node] = self.start(node)

@@ -20,6 +20,51 @@ AWS_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY
 REGION = "us-east-1"
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, theirs, ...), read from /proc; in other sessions too
+    (a launcher's fork server and its ranks start sessions of their own)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGKILL `pid`, its process group and every process below it (a lost node: the launcher, its fork
+    server and its ranks), then wait until none is left (bounded), so that nothing of it writes on."""
+    import signal
+    import time
+
+    victims = [pid, *descendants(pid)]
+    for send, target in [(os.killpg, pid)] + [(os.kill, p) for p in victims]:
+        try:
+            send(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    for victim in victims:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{victim}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break  # dead, waiting for its parent to reap it
+            except OSError:
+                break
+            time.sleep(0.01)
+        else:
+            raise TimeoutError(f"process {victim} still alive {timeout_s:.0f}s after SIGKILL")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
     with socket.socket() as s:

@@ -7,7 +7,6 @@ processes, real kills, real files; every wait bounded."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from tests.helpers import REPO, child_env, free_port, read_metrics, trainer_cmd
 from tests.integration.test_launch_faults import finish, launch, load_final, wait_for_step
 from trainer.checkpoint import memory_auto
 from trainer.protocol import read_events, read_heartbeats, read_jsonl
+from trainer.testing import kill_tree
 
 STEPS = 80
 BASE = [f"train.steps={STEPS}", "checkpoint.every=50"]  # durable: only the final step
@@ -114,22 +114,6 @@ def test_plain_torchrun_restarts_a_sigkilled_rank_from_memory_forming_its_groups
     assert_same_run(run_dir, reference)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every process below it (found through /proc, before any is killed)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, i = [pid], 0
-    while i < len(tree):
-        tree += parents.get(tree[i], [])
-        i += 1
-    for member in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(member, signal.SIGKILL)
-
-
 def test_a_lost_node_resumes_from_the_copies_on_the_other_node(reference, tmp_path):
     """Two launchers on loopback, one node each, each with its own memory directory: SIGKILL one launcher
     (its rank dies with it) and delete its memory (a lost node); a replacement node joins, and the
@@ -147,7 +131,7 @@ def test_a_lost_node_resumes_from_the_copies_on_the_other_node(reference, tmp_pa
     guest = node("b")
     wait_for_step(run_dir, 15)
     assert any(memory["a"].rglob("peer-slot-*.json")) and any(memory["b"].rglob("peer-slot-*.json"))
-    os.killpg(guest.pid, signal.SIGKILL)
+    kill_tree(guest.pid)  # the launcher, its fork server and its rank: none writes into memory["b"] after
     guest.wait(timeout=30)
     shutil.rmtree(memory["b"])
     replacement = node("b")
