@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.stream import BatchWithPositions, TokenStream
-from trainer.process import die_with_parent
+from trainer.runtime.process import die_with_parent
 from trainer.storage import is_local, protocols
 
 START_METHODS = ("fork", "forkserver", "spawn")

@@ -45,7 +45,7 @@ from data.readers import (  # BadInput, InputError, expand_inputs, read_document
     require_pyarrow,
 )
 from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
-from trainer.protocol import EXIT_USAGE
+from trainer.runtime.protocol import EXIT_USAGE
 from trainer.storage import filesystem, store_unreachable
 
 # --- parallel tokenization: P single-threaded tokenizers (P processes, or this one when P = 1); chunks

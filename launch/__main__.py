@@ -8,8 +8,7 @@ import argparse
 import os
 import sys
 
-from trainer import logs
-from trainer.protocol import EXIT_USAGE
+from trainer.contract import EXIT_USAGE, logs
 
 log = logs.get_logger(root=logs.LAUNCHER)
 
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if conflict:
         log.error(conflict)
         return EXIT_USAGE
-    from trainer.config import ConfigError, load, validate
+    from trainer.contract import ConfigError, load, validate
 
     try:
         lo, _, hi = args.nnodes.partition(":")
@@ -178,6 +177,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trainer.process import exit_now
+    from trainer.contract import exit_now
 
     exit_now(main())  # the agent thread may still be in a rendezvous: no teardown around it

@@ -27,8 +27,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from launch.failures import RankExit
-from trainer.process import is_alive
-from trainer.torch_compat import check_elastic_agent
+from trainer.contract import check_elastic_agent, is_alive
 
 SURVIVOR_GRACE_S = 5  # the most a failed group's survivors get to exit before SIGKILL (torchrun: 30)
 

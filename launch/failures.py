@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.protocol import EXIT_PREEMPTED, EXIT_STORAGE
+from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE
 
 if TYPE_CHECKING:
     from launch.watchdog import Hang

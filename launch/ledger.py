@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.cost import cost_report
-from trainer.protocol import append_event
+from trainer.contract import append_event, cost_report
 
 
 @dataclass

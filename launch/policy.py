@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launch.failures import Failure
-from trainer.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_STORAGE, EXIT_USAGE
+from trainer.contract import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_STORAGE, EXIT_USAGE
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from launch.zygote import STUB_PATH
-from trainer.parallel import is_loopback, tcp_store_server
+from trainer.contract import is_loopback, tcp_store_server
 
 if TYPE_CHECKING:
     from launch.options import LaunchOptions

@@ -33,7 +33,7 @@ MAGIC = b"RKZ1"
 HEADER = struct.Struct("!4sI")
 MAX_REQUEST = 16 << 20
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"  # trainer.protocol's (this file imports nothing of the project)
+LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"  # trainer.runtime.protocol's (this file imports nothing of the project)
 
 
 def trainer_command(argv: list[str]) -> list[str]:
@@ -93,7 +93,7 @@ def exit_like(returncode: int) -> None:
 
 
 def die_with_launcher() -> None:
-    """PR_SET_PDEATHSIG, as trainer.fault.die_with_launcher: a lost launcher leaves no stub behind
+    """PR_SET_PDEATHSIG, as trainer.runtime.fault.die_with_launcher: a lost launcher leaves no stub behind
     (and with the stub gone, the fork server ends the trainer)."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher or not sys.platform.startswith("linux"):

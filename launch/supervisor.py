@@ -11,7 +11,7 @@ rendezvous from `launch.rendezvous`) on a thread of its own and adds what torchr
   commit an emergency checkpoint and exit 75 within `fault.preempt_grace_s`; between worker groups
   (rendezvous, backoff) nothing is left to ask, and the launcher stops at once;
 - the ledger (`launch.ledger`): start, failure, restart, resume, preempt, done in events.jsonl, and
-  the outcome with its exit code (trainer.protocol's EXIT_*)."""
+  the outcome with its exit code (trainer.runtime.protocol's EXIT_*)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,16 @@ from launch.policy import Decision, RestartPolicy
 from launch.stub import ZYGOTE_ENV
 from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
 from launch.zygote import Zygote
-from trainer.config import Config
-from trainer.cost import format_cost
-from trainer.lease import JOB_ENV
-from trainer.protocol import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
+from trainer.contract import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    HEARTBEAT_DIR_ENV,
+    JOB_ENV,
+    LAUNCHER_PID_ENV,
+    Config,
+    format_cost,
+)
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +179,7 @@ class Supervisor:
         os.environ[HEARTBEAT_DIR_ENV] = str(self.heartbeat_dir)
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         if self.opts.job:
-            os.environ[JOB_ENV] = self.opts.job  # the ranks of this job share its leases (trainer.lease)
+            os.environ[JOB_ENV] = self.opts.job  # the ranks of this job share its leases (trainer.runtime.lease)
         o = self.opts
         warm = self.zygote is not None
         spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts, warm=warm)
@@ -305,7 +311,7 @@ def newest_commit(root: str, timeout_s: float) -> tuple[int, float] | None:
 
     def ask() -> None:
         try:
-            from trainer.checkpoint.commit import committed_steps, read_commit, step_dir  # (torch: within the bound)
+            from trainer.contract import committed_steps, read_commit, step_dir  # (torch: within the bound)
 
             steps = committed_steps(root)
             answer.append((steps[-1], read_commit(step_dir(root, steps[-1]))["time"]) if steps else None)

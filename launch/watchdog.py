@@ -1,5 +1,5 @@
 """Hang detection for one node's ranks: reads the heartbeat records the trainer rewrites after every
-step (`trainer.protocol.Heartbeat`) and declares a rank hung when no step has finished for
+step (`trainer.runtime.protocol.Heartbeat`) and declares a rank hung when no step has finished for
 `hang_timeout_s`. It arms only once a rank has finished its first step of the current attempt
 (start-up, compile and checkpoint loading are not steps), and it says *why* a rank is stuck:
 stopped (SIGSTOP, state T), spinning (busy CPU), or waiting (asleep in a collective or in I/O)."""
@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.process import is_alive, proc_stat
-from trainer.protocol import read_heartbeats
+from trainer.contract import is_alive, proc_stat, read_heartbeats
 
 
 @dataclass

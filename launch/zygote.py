@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch import stub
-from trainer.process import die_with_parent, exit_now, is_alive
+from trainer.contract import die_with_parent, exit_now, is_alive
 
 # What the trainer imports on its way to the first step (trainer.__main__ imports most of it lazily),
 # measured from a 2-rank run: nothing more is imported after the fork.
-PRELOAD = ("trainer.__main__", "trainer.config", "trainer.wandb_log", "trainer.loop", "trainer.checkpoint",
-           "trainer.checkpoint.memory", "trainer.fault", "trainer.lease", "trainer.step", "trainer.storage",
+PRELOAD = ("trainer.__main__", "trainer.config", "trainer.observability.wandb_log", "trainer.loop",
+           "trainer.checkpoint", "trainer.checkpoint.memory", "trainer.runtime.fault", "trainer.runtime.lease",
+           "trainer.step", "trainer.storage",
            "data.shards", "data.stream", "data.loader", "data.corpus",
            "torch.distributed.elastic.multiprocessing.errors", "torch.profiler", "torch.utils.serialization",
            "fsspec.implementations.local", "numpy.ma")
@@ -321,7 +322,7 @@ def become_trainer(request: dict, fds: list[int], inherited: list[int], server: 
                 os.sched_setaffinity(0, request["cpus"])
         os.environ.clear()
         os.environ.update(request["env"])
-        # The process this rank dies with (trainer.fault.die_with_launcher) is its parent, the server.
+        # The process this rank dies with (trainer.runtime.fault.die_with_launcher) is its parent, the server.
         os.environ[stub.LAUNCHER_PID_ENV] = str(server)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
@@ -331,7 +332,7 @@ def become_trainer(request: dict, fds: list[int], inherited: list[int], server: 
             import torch
 
             torch.set_num_threads(int(threads))
-        from trainer import __main__ as trainer_main
+        from trainer.contract import trainer_main
 
         sys.argv = [trainer_main.__file__, *request["argv"]]
         sys.modules["__main__"] = trainer_main  # as under `python -m trainer` (multiprocessing's spawn reads it)

@@ -42,16 +42,16 @@ import bench_step  # a sibling script: scripts/ is sys.path[0] when run as `pyth
 import torch
 
 from trainer import config as config_
-from trainer import host
 from trainer.checkpoint import memory as memory_tier
-from trainer.metrics import (
+from trainer.model.transformer import Transformer
+from trainer.observability.metrics import (
     BREAKDOWN,
     GPU_PEAK_BF16,
     format_breakdown,
     measure_matmul_peak,
     nominal_gpu_peak,
 )
-from trainer.model import Transformer
+from trainer.runtime import host
 from trainer.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """Benchmark: causal attention on CPU under torch.compile, the fused SDPA (flash) kernel against
-`trainer.model.blocked_causal_attention`, measured side by side in one process (1 thread):
+`trainer.model.transformer.blocked_causal_attention`, measured side by side in one process (1 thread):
 
   1. one layer's attention, forward + backward, at the config's head shapes and tokens per batch,
      for its sequence length and twice it (the blocked path is used up to
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer import config as config_
-from trainer import host
-from trainer.model import ModelArgs, Transformer, blocked_causal_attention, causal_bias
+from trainer.model.transformer import ModelArgs, Transformer, blocked_causal_attention, causal_bias
+from trainer.runtime import host
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:

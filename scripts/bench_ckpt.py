@@ -34,13 +34,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer import logs
 from trainer.checkpoint import Checkpointer, TrainState
-from trainer.model import ModelArgs, Transformer
-from trainer.parallel import DistInfo
+from trainer.distributed.parallel import DistInfo
+from trainer.distributed.torch_compat import FsspecReader as fsspec_reader
+from trainer.distributed.torch_compat import FsspecWriter
+from trainer.model.transformer import ModelArgs, Transformer
+from trainer.observability import logs
 from trainer.testing import start_s3
-from trainer.torch_compat import FsspecReader as fsspec_reader
-from trainer.torch_compat import FsspecWriter
 
 SOLO = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.protocol import read_events, read_heartbeats
+from trainer.runtime.protocol import read_events, read_heartbeats
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL_S = 1.0

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from trainer import config as config_
-from trainer import host
 from trainer.loop import train
-from trainer.model import Transformer
+from trainer.model.transformer import Transformer
 from trainer.optim import lr_at
+from trainer.runtime import host
 
 WINDOW = 10
 

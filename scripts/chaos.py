@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import logs
-from trainer.protocol import read_events, read_heartbeats, read_jsonl
+from trainer.observability import logs
+from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
 from trainer.testing import free_port, kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,9 +124,9 @@ def final_state(config: str, run_dir: Path, overrides: list[str]) -> tuple[int, 
 
     from trainer.checkpoint import Checkpointer
     from trainer.config import load
-    from trainer.model import Transformer
+    from trainer.distributed.parallel import DistInfo
+    from trainer.model.transformer import Transformer
     from trainer.optim import build_optimizer
-    from trainer.parallel import DistInfo
 
     cfg = load(config, overrides)
     model = Transformer(cfg.model)

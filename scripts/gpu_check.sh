@@ -43,7 +43,7 @@ fi
 NGPU="${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}"
 "$PY" - <<'PY'
 import datetime, torch
-from trainer.metrics import measure_matmul_peak
+from trainer.observability.metrics import measure_matmul_peak
 name = torch.cuda.get_device_name(0)
 peak = measure_matmul_peak(1.0, 8192, torch.bfloat16, device="cuda")
 print(f"gpu_check: {datetime.date.today()} | {name} | torch {torch.__version__} | CUDA {torch.version.cuda} | "

@@ -30,7 +30,7 @@ def rekindle_logging() -> None:
     """The trainer's log lines (`[rekindle] ...`) on the current stdout, as a process of the trainer
     sets them up, so that in-process tests see them (capsys); set up again for every test, since a
     test may have pointed them elsewhere (the exporter's main() says them on stderr)."""
-    from trainer import logs
+    from trainer.observability import logs
 
     logs.setup()
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer import testing
-from trainer.model import ModelArgs, Transformer
-from trainer.parallel import DistInfo
+from trainer.distributed.parallel import DistInfo
+from trainer.model.transformer import ModelArgs, Transformer
 from trainer.testing import free_port
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from trainer import protocol
+from trainer.runtime import protocol
 
 USAGE = """usage: python -m trainer CONFIG [key=value ...]
        torchrun --nproc-per-node N -m trainer CONFIG [key=value ...]
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         return protocol.EXIT_OK if argv else protocol.EXIT_USAGE
     # Imported here so that `--help` and config errors answer before torch loads.
     from trainer.config import ConfigError, load
-    from trainer.wandb_log import check_installed
+    from trainer.observability.wandb_log import check_installed
 
     try:
         cfg = load(argv[0], argv[1:])
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from data.shards import CorruptShardError, NotADatasetError, ShardError
     from data.stream import DataStateError
     from trainer.checkpoint import CheckpointError, IncompatibleCheckpointError
-    from trainer.fault import Preempted
-    from trainer.lease import DirectoryInUse
     from trainer.loop import train
+    from trainer.runtime.fault import Preempted
+    from trainer.runtime.lease import DirectoryInUse
     from trainer.step import NonFiniteError
     from trainer.storage import caused_by_storage
 
@@ -65,6 +65,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trainer.process import exit_now
+    from trainer.runtime.process import exit_now
 
     exit_now(main())

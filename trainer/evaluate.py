@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from data.stream import TokenStream
-from trainer import parallel
 from trainer.config import Config
+from trainer.distributed import parallel
 
 
 class Evaluator:

@@ -20,7 +20,7 @@ restores the tie when loading into a model that ties them:
 
 `--format hf` writes config.json (from the model arguments in train_state.json, or for a checkpoint that
 predates them the run's config.yaml beside the checkpoint root), model.safetensors (HF names and RoPE row
-order, `trainer.hf`; float32 unless `--dtype bf16`), tokenizer_config.json, generation_config.json and
+order, `trainer.model.hf`; float32 unless `--dtype bf16`), tokenizer_config.json, generation_config.json and
 tokenizer.json: the one given, else the tokenizer of the dataset the checkpoint was trained on, found by
 its manifest checksum (train_state.json's data state) under the run config's data.path or in the
 built-in corpus cache. Without one the model files are still written, with a warning that says how to
@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer import hf, logs, storage
+from trainer import storage
 from trainer.checkpoint import (
     COMMIT,
     STEP_DIR,
@@ -64,8 +64,10 @@ from trainer.checkpoint.format import (
 from trainer.checkpoint.format import writer as shard_writer
 from trainer.config import Config, ConfigError
 from trainer.config import load as load_config
-from trainer.model_args import ModelArgs
-from trainer.protocol import EXIT_FAILED, EXIT_USAGE
+from trainer.model import hf
+from trainer.model.args import ModelArgs
+from trainer.observability import logs
+from trainer.runtime.protocol import EXIT_FAILED, EXIT_USAGE
 
 log = logs.get_logger("export")
 

@@ -17,7 +17,7 @@ from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
 from data.stream import TokenStream
-from trainer import fault, host, logs, parallel, protocol, resume_rules, storage, wandb_log
+from trainer import storage
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -27,12 +27,14 @@ from trainer.checkpoint import (
     step_dir,
 )
 from trainer.checkpoint import memory as memory_tier
-from trainer.config import Config, ConfigError, micro_batch_size, validate
+from trainer.config import Config, ConfigError, micro_batch_size, resume_rules, validate
 from trainer.config import save as save_config
-from trainer.cost import cost_report, format_cost
+from trainer.distributed import parallel
 from trainer.evaluate import Evaluator
-from trainer.lease import DirectoryInUse, Lease
-from trainer.metrics import (
+from trainer.model.transformer import Transformer
+from trainer.observability import logs, wandb_log
+from trainer.observability.cost import cost_report, format_cost
+from trainer.observability.metrics import (
     BREAKDOWN,
     LogWindow,
     MetricsLog,
@@ -44,11 +46,12 @@ from trainer.metrics import (
     peak_flops,
     with_other,
 )
-from trainer.model import Transformer
+from trainer.observability.profiling import StepProfiler
+from trainer.observability.stragglers import Change, StragglerWatch
 from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.profiling import StepProfiler
+from trainer.runtime import fault, host, protocol
+from trainer.runtime.lease import DirectoryInUse, Lease
 from trainer.step import NonFiniteGuard, StepResult, micro_batches, train_step
-from trainer.stragglers import Change, StragglerWatch
 
 log = logs.get_logger()
 
@@ -135,7 +138,7 @@ def train(cfg: Config) -> dict:
 
 # ---------------------------------------------------------------------- build
 def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
-    """Rank 0 takes the leases on run.dir and the checkpoint directory for this job (trainer.lease);
+    """Rank 0 takes the leases on run.dir and the checkpoint directory for this job (trainer.runtime.lease);
     every rank raises the same error when it cannot: DirectoryInUse, naming the holder, when another live
     job holds one; CheckpointStorageError when the storage cannot be reached."""
     if not cfg.run.lease_s:
@@ -302,7 +305,7 @@ def measure_memory_tier(run: Run, step_s: float) -> None:
 def init_from_hf(model: Transformer, cfg: Config) -> None:
     """The full model's weights from a Hugging Face Llama directory (every rank, before sharding); a
     resume then loads its checkpoint over them. HFModelError (bad input) when the shape is not this one."""
-    from trainer import hf
+    from trainer.model import hf
 
     directory = cfg.model.init_from
     weights, config = hf.read_hf_llama(directory)
@@ -509,7 +512,7 @@ def exchange_records(run: Run, step: int, now: bool = False) -> None:
     """Exchange the closed log windows' numbers between the ranks and write their records (collective:
     every rank, every step boundary, deciding alike). A blocking gather per log step cost more than the
     rest of a small step's bookkeeping, so the ranks exchange them at the preemption check steps only
-    (about every 0.25 s on fast steps, every step on slow ones: trainer.fault), asynchronously: a check
+    (about every 0.25 s on fast steps, every step on slow ones: trainer.runtime.fault), asynchronously: a check
     writes the records sent at the previous one. `now`, and at a step whose state may be committed to
     the durable tier at this boundary (`commits_at`), every record is written before going on: a step
     that is not redone after a failure must have its record on disk before its checkpoint is (a memory

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from trainer import parallel
 from trainer.config import Config
+from trainer.distributed import parallel
 
 
 def lr_at(step: int, cfg: Config) -> float:

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.protocol import EVENTS_FILE, read_jsonl
+from trainer.runtime.protocol import EVENTS_FILE, read_jsonl
 
 BREAKDOWN_COLORS = {"data_wait_s": ("data wait", "#9467bd"), "fwd_bwd_s": ("forward+backward", "#1f77b4"),
                     "optim_s": ("optimizer", "#2ca02c"), "comm_wait_s": ("comm wait", "#d62728"),

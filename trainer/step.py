@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from data.stream import BatchWithPositions
-from trainer import parallel
 from trainer.config import Config
-from trainer.metrics import StepTimer
+from trainer.distributed import parallel
+from trainer.observability.metrics import StepTimer
 
 log = logging.getLogger("rekindle.step")
 
@@ -47,7 +47,7 @@ def micro_batches(batch: torch.Tensor | BatchWithPositions, size: int, cfg: Conf
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros: list[Micro], cfg: Config,
                info: parallel.DistInfo, timer: StepTimer, delay_s: float = 0.0) -> StepResult:
     """Forward/backward over `micros` (gradients synced on the last), clip, and step unless non-finite.
-    `delay_s`: sleep that long in the forward/backward phase (an injected straggler, trainer.fault.slowdown)."""
+    `delay_s`: sleep that long in the forward/backward phase (an injected straggler, trainer.runtime.fault.slowdown)."""
     timer.start()
     if delay_s:
         time.sleep(delay_s)

@@ -11,7 +11,7 @@ import sys
 from data.corpus import ensure_builtin
 from tests.helpers import REPO, child_env
 from tests.integration.test_launch_faults import finish, launch
-from trainer.protocol import read_events
+from trainer.runtime.protocol import read_events
 
 
 def test_bad_input_is_one_line_exit_2_and_never_restarted(cache_dir, tmp_path):

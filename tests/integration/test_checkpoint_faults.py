@@ -32,7 +32,7 @@ from tests.helpers import (
     trainer_cmd,
 )
 from trainer.checkpoint import COMMIT, Checkpointer, TrainState, step_dir
-from trainer.protocol import read_events
+from trainer.runtime.protocol import read_events
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -212,7 +212,7 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
 
 def reshard_worker(root: Path) -> None:
     from trainer.config import DistConfig
-    from trainer.parallel import init_distributed, parallelize
+    from trainer.distributed.parallel import init_distributed, parallelize
 
     info = init_distributed(DistConfig())
     model, opt = trained(0)  # identical on both ranks; then sharded and trained a little more
@@ -245,7 +245,7 @@ def reshard_worker(root: Path) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["reshard-worker"]:
-    from trainer.parallel import shutdown
+    from trainer.distributed.parallel import shutdown
 
     reshard_worker(Path(sys.argv[2]))
     shutdown()  # after the FSDP modules are out of scope: see parallel.shutdown

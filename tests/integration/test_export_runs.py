@@ -14,7 +14,7 @@ from safetensors.torch import load_model
 from tests.helpers import REPO, SOLO, assert_params_equal, assert_same, child_env, run_trainer, smoke_model, trained
 from trainer.checkpoint import Checkpointer, TrainState, verify
 from trainer.export import main
-from trainer.model import Transformer
+from trainer.model.transformer import Transformer
 
 
 def test_export_cli_writes_the_trained_weights(tmp_path):

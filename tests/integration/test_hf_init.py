@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 def saved_llama(tmp_path, **changes):
     """A LlamaForCausalLM of the smoke config's shape (or changed), saved with save_pretrained."""
-    from trainer import hf
     from trainer.config import load
+    from trainer.model import hf
 
     args = load(SMOKE).model
     config = transformers.LlamaConfig(**{**hf.hf_config(args), **changes})
@@ -60,7 +60,7 @@ def test_training_starts_from_a_hugging_face_llama_and_resumes(cache_dir, tmp_pa
 
 
 def test_a_hugging_face_model_of_another_shape_is_refused_naming_the_fields(cache_dir, tmp_path):
-    from trainer.hf import HFModelError
+    from trainer.model.hf import HFModelError
 
     _, directory = saved_llama(tmp_path, hidden_size=128, intermediate_size=352)
     with pytest.raises(HFModelError, match=r"model.dim=64 vs hidden_size=128"):

@@ -14,7 +14,7 @@ import time
 
 from launch.watchdog import Watchdog
 from tests.helpers import REPO, SMOKE
-from trainer.process import proc_stat
+from trainer.runtime.process import proc_stat
 
 
 def _beat(directory, rank: int, pid: int, age_s: float, phase: str = "train") -> None:

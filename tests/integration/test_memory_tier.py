@@ -23,7 +23,7 @@ import torch
 from tests.helpers import REPO, child_env, free_port, read_metrics, trainer_cmd
 from tests.integration.test_launch_faults import finish, launch, load_final, wait_for_step
 from trainer.checkpoint import memory_auto
-from trainer.protocol import read_events, read_heartbeats, read_jsonl
+from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
 from trainer.testing import kill_tree
 
 STEPS = 80

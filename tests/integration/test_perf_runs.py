@@ -42,7 +42,7 @@ def test_heap_on_huge_pages_after_malloc_tuning():
         pytest.skip("transparent huge pages are off on this machine")
     code = """if True:
         import torch
-        from trainer import host
+        from trainer.runtime import host
         assert host.tune_malloc()
         buffers = [torch.ones(64 << 20, dtype=torch.uint8) for _ in range(4)]  # 256 MiB through malloc
         del buffers  # kept in the heap, not unmapped

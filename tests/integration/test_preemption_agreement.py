@@ -1,4 +1,4 @@
-"""The preemption agreement no longer blocks after every step (trainer.fault.PreemptionFlag.agreed: on
+"""The preemption agreement no longer blocks after every step (trainer.runtime.fault.PreemptionFlag.agreed: on
 fast steps the ranks agree every few steps, each check reading the all-reduce started at the previous
 one; on slow steps they block at every step). On 3 real gloo processes with uneven step times and a
 real SIGTERM to one of them: every rank stops at the same step, within the promised delay; on slow
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer import fault
+from trainer.runtime import fault
 from trainer.testing import free_port
 
 # name: (steps, seconds per step at least (at most 1.5x that), the rank that gets SIGTERM and in which step)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, SMOKE, child_env, free_port, read_metrics
-from trainer.protocol import read_events, read_heartbeats
+from trainer.runtime.protocol import read_events, read_heartbeats
 
 pytestmark = pytest.mark.slurm
 

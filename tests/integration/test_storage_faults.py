@@ -10,7 +10,7 @@ import signal
 import time
 
 from tests.integration.test_launch_faults import finish, launch
-from trainer.protocol import read_events, read_jsonl
+from trainer.runtime.protocol import read_events, read_jsonl
 from trainer.testing import TcpProxy
 
 GRACE = 5  # fault.preempt_grace_s: each SIGTERM below, with storage that does not answer, takes all of it

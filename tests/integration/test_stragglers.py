@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tests.helpers import REPO, SMOKE, child_env, read_metrics, trainer_cmd
-from trainer.protocol import SLOW_RANK_ENV, read_events
+from trainer.runtime.protocol import SLOW_RANK_ENV, read_events
 
 # 40 steps, a record every 2 steps (a log window), no eval or checkpoint until the end; ranks compared over
 # periods of 0.3 s (a few windows) instead of 30.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, SMOKE, child_env, read_metrics, run_trainer, trainer_cmd
-from trainer.protocol import read_events
+from trainer.runtime.protocol import read_events
 
 STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=6"]
 

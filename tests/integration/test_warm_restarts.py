@@ -17,8 +17,8 @@ import pytest
 
 from tests.integration.test_launch_faults import finish, launch, wait_for_step
 from tests.integration.test_memory_tier import assert_same_run
-from trainer.process import is_alive
-from trainer.protocol import read_events
+from trainer.runtime.process import is_alive
+from trainer.runtime.protocol import read_events
 
 STEPS = 30
 BASE = [f"train.steps={STEPS}", "checkpoint.every=50"]  # durable: only the final step

@@ -21,7 +21,7 @@ from trainer.checkpoint import (
     committed_steps,
 )
 from trainer.checkpoint.commit import verifying_rank
-from trainer.model import ModelArgs, Transformer
+from trainer.model.transformer import ModelArgs, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

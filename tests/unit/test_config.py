@@ -8,10 +8,10 @@ import re
 import pytest
 
 from tests.helpers import REPO, SMOKE
-from trainer import config, schema
-from trainer.config import ConfigError
-from trainer.model import ModelArgs, Transformer
-from trainer.schema import setting
+from trainer import config
+from trainer.config import ConfigError, schema
+from trainer.config.schema import setting
+from trainer.model.transformer import ModelArgs, Transformer
 
 
 def test_smoke_and_default_configs_load():
@@ -117,7 +117,7 @@ def test_limits_come_from_the_field_declaration():
 @pytest.mark.parametrize(
     "override, suggestion",
     [
-        ("model.n_kv_head=2", "model.n_kv_heads"),  # the model group is declared in trainer/model.py
+        ("model.n_kv_head=2", "model.n_kv_heads"),  # the model group is declared in trainer/model/transformer.py
         ("checkpoint.asynch=true", "checkpoint.async"),  # the user's spelling, not the attribute `async_`
     ],
 )

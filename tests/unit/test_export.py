@@ -10,7 +10,7 @@ from safetensors.torch import load_model
 from tests.helpers import SOLO, assert_params_equal, corrupt, trained
 from trainer.checkpoint import COMMIT, Checkpointer, TrainState
 from trainer.export import main
-from trainer.model import Transformer
+from trainer.model.transformer import Transformer
 
 
 @pytest.fixture

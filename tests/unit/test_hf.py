@@ -1,4 +1,4 @@
-"""Hugging Face Llama interoperability (trainer/hf.py and `python -m trainer.export ... --format hf`):
+"""Hugging Face Llama interoperability (trainer/model/hf.py and `python -m trainer.export ... --format hf`):
 an exported checkpoint loads in transformers' LlamaForCausalLM with the same logits and the same greedy
 continuation, and its tokenizer with it; a saved LlamaForCausalLM (one file or sharded) becomes
 rekindle's Transformer with the same logits and loss; another shape, a pickle, a missing checkpoint and
@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 
 from tests.helpers import SOLO, TEXTS
-from trainer import hf
 from trainer.checkpoint import Checkpointer, IncompatibleCheckpointError, TrainState
 from trainer.export import main
-from trainer.model import ModelArgs, Transformer
+from trainer.model import hf
+from trainer.model.transformer import ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")  # the `hf` (and `dev`) extra
 

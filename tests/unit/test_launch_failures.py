@@ -7,7 +7,7 @@ from launch import failures
 from launch.failures import Failure, RankExit
 from launch.policy import RestartPolicy
 from launch.watchdog import Hang
-from trainer.protocol import EXIT_PREEMPTED, EXIT_STORAGE
+from trainer.runtime.protocol import EXIT_PREEMPTED, EXIT_STORAGE
 
 CALLSTACK = "".join(f'  File "trainer/loop.py", line {n}, in frame{n}\n' for n in range(10))
 

@@ -13,7 +13,7 @@ from launch.failures import Failure
 from launch.ledger import Attempt, Ledger
 from launch.policy import RestartPolicy
 from tests.helpers import REPO
-from trainer.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_USAGE, read_events
+from trainer.runtime.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_USAGE, read_events
 
 
 def kill(step: int, rank: int = 1) -> Failure:

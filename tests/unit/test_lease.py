@@ -1,4 +1,4 @@
-"""One job per directory (trainer.lease), on real files and on a loopback S3 endpoint: a live job's
+"""One job per directory (trainer.runtime.lease), on real files and on a loopback S3 endpoint: a live job's
 lease refuses another job naming its holder; a dead or silent holder's lease is taken over, saying why;
 the ranks of one job share it; a clean end removes it."""
 
@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from trainer import lease, storage
-from trainer.lease import LEASE, DirectoryInUse, Lease
+from trainer import storage
+from trainer.runtime import lease
+from trainer.runtime.lease import LEASE, DirectoryInUse, Lease
 
 
 def as_job(monkeypatch, job: str) -> None:

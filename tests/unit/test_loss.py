@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.loss import chunk_rows, linear_cross_entropy
-from trainer.model import ModelArgs, Transformer, cross_entropy
+from trainer.model.loss import chunk_rows, linear_cross_entropy
+from trainer.model.transformer import ModelArgs, Transformer, cross_entropy
 
 
 def inputs(n: int = 3, t: int = 50, dim: int = 32, vocab: int = 301, seed: int = 0):

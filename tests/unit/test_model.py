@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.model import (
+from trainer.model.transformer import (
     ModelArgs,
     Transformer,
     apply_rope,

@@ -12,8 +12,8 @@ import torch
 
 from tests.helpers import REPO
 from trainer.config import ConfigError, load
-from trainer.cost import cost_report
-from trainer.metrics import measure_matmul_peak, nominal_gpu_peak
+from trainer.observability.cost import cost_report
+from trainer.observability.metrics import measure_matmul_peak, nominal_gpu_peak
 
 
 def test_profile_steps_are_validated():

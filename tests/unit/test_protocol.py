@@ -3,7 +3,7 @@ fault-injection spec names a step and optionally a rank, and heartbeats round-tr
 
 from __future__ import annotations
 
-from trainer.protocol import HEARTBEAT_DIR_ENV, Heartbeat, append_jsonl, injected, read_heartbeats, read_jsonl
+from trainer.runtime.protocol import HEARTBEAT_DIR_ENV, Heartbeat, append_jsonl, injected, read_heartbeats, read_jsonl
 
 
 def test_a_torn_line_costs_only_itself(tmp_path):

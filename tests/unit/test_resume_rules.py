@@ -1,4 +1,4 @@
-"""What a resume may change (trainer.resume_rules): fixed keys refused naming both values, the rest listed."""
+"""What a resume may change (trainer.config.resume_rules): fixed keys refused naming both values, the rest listed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from trainer.checkpoint import IncompatibleCheckpointError
 from trainer.config import Config
-from trainer.resume_rules import check_resume, is_fixed
+from trainer.config.resume_rules import check_resume, is_fixed
 
 
 def test_fixed_keys_are_the_model_the_data_order_and_the_batch():

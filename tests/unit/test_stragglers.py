@@ -1,5 +1,5 @@
-"""Straggler scoring and its reporting rule (trainer.stragglers), the per-rank work of a log window
-(trainer.metrics.LogWindow), the slow-rank fault hook, and the per-step fault-tolerance rules that
+"""Straggler scoring and its reporting rule (trainer.observability.stragglers), the per-rank work of a log window
+(trainer.observability.metrics.LogWindow), the slow-rank fault hook, and the per-step fault-tolerance rules that
 replaced per-step work: the heartbeat written once per step, the preemption agreement on one rank."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.helpers import SMOKE
-from trainer import fault, protocol
 from trainer.config import ConfigError, load
-from trainer.metrics import LogWindow, PendingRecords, RecordDraft, StepTimer
-from trainer.stragglers import StragglerWatch, straggler_scores
+from trainer.observability.metrics import LogWindow, PendingRecords, RecordDraft, StepTimer
+from trainer.observability.stragglers import StragglerWatch, straggler_scores
+from trainer.runtime import fault, protocol
 
 
 def test_a_score_is_the_ranks_time_over_the_median_of_the_other_ranks():
@@ -145,7 +145,7 @@ def test_ranks_agree_about_every_quarter_second_on_fast_steps_and_every_step_on_
 
 
 def test_the_metrics_log_keeps_its_file_open_and_ends_a_torn_line_first(tmp_path):
-    from trainer.metrics import MetricsLog
+    from trainer.observability.metrics import MetricsLog
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')  # a writer killed mid-line
     metrics = MetricsLog(str(tmp_path), 10, 2, enabled=True, progress=False)

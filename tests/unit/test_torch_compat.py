@@ -1,4 +1,4 @@
-"""trainer.torch_compat: a torch that lacks a private API rekindle needs fails with one clear error
+"""trainer.distributed.torch_compat: a torch that lacks a private API rekindle needs fails with one clear error
 naming the API, this torch's version and the tested ones; nothing else imports private torch modules."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import torch_compat
-from trainer.torch_compat import TorchVersionError
+from trainer.distributed import torch_compat
+from trainer.distributed.torch_compat import TorchVersionError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""W&B logging (trainer.wandb_log), offline in this process: the missing package is a config error at
+"""W&B logging (trainer.observability.wandb_log), offline in this process: the missing package is a config error at
 start; a resumed run continues the W&B run and leaves out the steps already logged; a fresh run gets
 a new W&B run; a refused login stops the run, W&B out of reach does not."""
 
@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from tests.helpers import SMOKE, wandb_offline_env, wandb_offline_runs
-from trainer.schema import ConfigError
+from trainer.config.schema import ConfigError
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def offline(tmp_path, monkeypatch):
 
 def test_log_wandb_without_the_package_is_a_config_error(monkeypatch, capsys):
     from trainer.__main__ import main
-    from trainer.wandb_log import check_installed
+    from trainer.observability.wandb_log import check_installed
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
@@ -33,7 +33,7 @@ def test_log_wandb_without_the_package_is_a_config_error(monkeypatch, capsys):
 
 
 def test_a_resumed_run_continues_the_wandb_run_without_the_steps_it_has(offline):
-    from trainer.wandb_log import WandbLog
+    from trainer.observability.wandb_log import WandbLog
 
     first = WandbLog(str(offline), "my run/1", "rekindle", "offline", {"train": {"steps": 8}}, start_step=0)
     for step in range(1, 6):
@@ -58,8 +58,8 @@ def test_a_resumed_run_continues_the_wandb_run_without_the_steps_it_has(offline)
 def test_a_refused_login_stops_the_run_and_no_network_does_not(offline, monkeypatch, capsys):
     import wandb
 
-    from trainer import wandb_log
     from trainer.config import load
+    from trainer.observability import wandb_log
 
     cfg = load(SMOKE, [f"run.dir={offline}", "log.wandb=true"])
 

@@ -21,7 +21,7 @@ import pytest
 
 from launch import stub, zygote
 from tests.helpers import REPO
-from trainer.protocol import HEARTBEAT_DIR_ENV
+from trainer.runtime.protocol import HEARTBEAT_DIR_ENV
 
 
 def test_a_request_round_trips_and_arrives_in_pieces():
@@ -126,7 +126,7 @@ def test_the_socket_path_stays_short_under_a_long_temp_directory(tmp_path, monke
 
 
 def test_startup_measurements_are_kept_for_the_launchers_next_groups(tmp_path, monkeypatch):
-    from trainer.startup import remembered
+    from trainer.observability.startup import remembered
 
     calls = []
 
@@ -146,7 +146,7 @@ def test_startup_measurements_are_kept_for_the_launchers_next_groups(tmp_path, m
 
 
 def test_a_store_client_waits_for_its_server_without_backing_off():
-    from trainer.parallel import wait_listening
+    from trainer.distributed.parallel import wait_listening
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

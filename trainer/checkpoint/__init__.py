@@ -30,7 +30,7 @@ The package, by job:
                 steps, copies on the next node, the restore plan; a restart prefers it when it is newer
   memory_auto   checkpoint.memory_every=auto: the interval that keeps a snapshot's cost near 1% of the steps,
                 or off, saying why (memory_dir on a disk, not enough room)
-Fault injection for tests (`REKINDLE_CRASH_AT`) is in trainer.fault.
+Fault injection for tests (`REKINDLE_CRASH_AT`) is in trainer.runtime.fault.
 """
 
 from trainer.checkpoint.checkpointer import Checkpointer, tied_parameters

@@ -22,14 +22,15 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import fault, storage
+from trainer import storage
 from trainer.checkpoint import commit
 from trainer.checkpoint import format as shard_format
 from trainer.checkpoint.commit import TrainState, step_dir
 from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError, CheckpointStorageError, IncompatibleCheckpointError
 from trainer.checkpoint.spool import Spool
 from trainer.checkpoint.staging import AsyncStager
-from trainer.parallel import DistInfo
+from trainer.distributed.parallel import DistInfo
+from trainer.runtime import fault
 
 log = logging.getLogger("rekindle.checkpoint")
 

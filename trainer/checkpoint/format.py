@@ -1,6 +1,6 @@
 """The checkpoint file format: DCP storage readers/writers (local paths and fsspec URLs) for the raw
 shard format, checksums computed while the shards are written, and loading that cannot run code.
-This is the module that knows DCP's storage layer (its private parts come from trainer.torch_compat).
+This is the module that knows DCP's storage layer (its private parts come from trainer.distributed.torch_compat).
 
 Shard format: the checkpoint is a DCP checkpoint (`.metadata` + one `__<rank>_0.distcp` per rank,
 planned, resharded and loaded by DCP), but the writer here stores each tensor chunk as its raw bytes
@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from trainer import storage
-from trainer.torch_compat import FsspecReader, FsspecWriter, StorageInfo
+from trainer.distributed.torch_compat import FsspecReader, FsspecWriter, StorageInfo
 
 # The storage format of tensor items written here: the tensor's bytes, row-major, nothing else. Its
 # dtype and shape are the chunk's in `.metadata`. A transform descriptor as far as DCP is concerned:

@@ -59,8 +59,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer import logs, storage
+from trainer import storage
 from trainer.checkpoint.commit import TrainState
+from trainer.observability import logs
 
 log = logs.get_logger("memory")
 

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import weakref
 
-from trainer.process import is_alive
+from trainer.runtime.process import is_alive
 
 _PREFIX = "rekindle-ckpt-"
 

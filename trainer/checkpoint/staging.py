@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.torch_compat import copy_state_dict, create_cpu_state_dict
+from trainer.distributed.torch_compat import copy_state_dict, create_cpu_state_dict
 
 
 class AsyncStager:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.protocol import HEARTBEAT_DIR_ENV
+from trainer.runtime.protocol import HEARTBEAT_DIR_ENV
 
 
 def remembered(key: str, measure: Callable[[], Any]) -> Any:

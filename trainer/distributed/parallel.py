@@ -186,7 +186,7 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
     """
     blocks = model.layers
     if cfg.activation_checkpointing != "none":
-        from trainer.torch_compat import checkpoint_wrapper
+        from trainer.distributed.torch_compat import checkpoint_wrapper
 
         for i, (name, block) in enumerate(list(blocks.items())):
             if cfg.activation_checkpointing == "full" or i % 2 == 0:  # selective: every other block

@@ -1,7 +1,7 @@
 """The training loss: the output projection fused with cross-entropy, in chunks of rows.
 
 `linear_cross_entropy(hidden, weight, targets)` equals `cross_entropy(hidden @ weight.T, targets)`
-(`trainer.model.cross_entropy`, mask semantics included) without ever holding the (tokens x vocab)
+(`trainer.model.transformer.cross_entropy`, mask semantics included) without ever holding the (tokens x vocab)
 logits or their gradient: each chunk of rows is projected, turned into its loss and its gradient
 (softmax minus one-hot), and multiplied into the gradients of `hidden` and `weight` while it is
 still in cache; the next chunk reuses the buffer. This is the approach of Liger-Kernel's fused
@@ -39,7 +39,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
     hidden: (..., dim); weight: (vocab, dim); targets: (...) int64 in [0, vocab); mask: optional bool
     like targets (False = no loss on that target; the mean still divides by all targets, as
-    `trainer.model.cross_entropy` does). Under autocast the projection runs in the autocast dtype
+    `trainer.model.transformer.cross_entropy` does). Under autocast the projection runs in the autocast dtype
     and the softmax in float32, as `output(h).float()` would; the loss is float32."""
     if targets.shape != hidden.shape[:-1] or (mask is not None and mask.shape != targets.shape):
         raise ValueError(f"targets {tuple(targets.shape)} / mask must match hidden {tuple(hidden.shape[:-1])}")

@@ -1,7 +1,7 @@
 """How a config key is declared: `setting(default, doc, limits)` on the dataclass field it describes,
 and `check(cfg)`, which walks the groups and enforces those limits, then each group's own cross-field
 rules (its `check(prefix)` method, beside its fields). Plain dataclasses, no torch and no OmegaConf,
-so `trainer/model_args.py` declares the model's arguments with it and `trainer/config.py` loads them."""
+so `trainer/model/args.py` declares the model's arguments with it and `trainer/config/groups.py` loads them."""
 
 from __future__ import annotations
 

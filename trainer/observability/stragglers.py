@@ -1,6 +1,6 @@
 """Straggler detection (report only, no restart). Every metrics record has each rank's own work per step
 in its log window (data wait + forward/backward + optimizer, without the time spent waiting in
-collectives, see trainer.metrics.LogWindow) and its score: that time over the median of the other ranks'.
+collectives, see trainer.observability.metrics.LogWindow) and its score: that time over the median of the other ranks'.
 Whether a rank is a straggler is judged over periods of at least `fault.straggler_s` seconds of
 training (whole log windows, so a few noisy steps on a busy machine do not count): a rank whose score
 over a period (its work over the period against the others') is at least `fault.straggler_factor` is a

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from trainer import storage
-from trainer.process import is_alive, process_start_time
+from trainer.runtime.process import is_alive, process_start_time
 
 LEASE = "LEASE.json"
 JOB_ENV = "REKINDLE_JOB"  # set by the launcher: the job (its nodes and restarts) that owns the lease

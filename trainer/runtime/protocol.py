@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from trainer.process import process_start_time
+from trainer.runtime.process import process_start_time
 
 # --- environment variables set by the launcher for its ranks (and by tests for fault injection)
 HEARTBEAT_DIR_ENV = "REKINDLE_HEARTBEAT_DIR"  # where each rank rewrites its heartbeat record
@@ -28,7 +28,7 @@ LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"  # ranks die with this process (PR_SE
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchelastic's: the worker group's attempt number
 FAIL_AT_ENV = "REKINDLE_FAIL_AT"  # "step[:rank]": raise at that step (every attempt): a deterministic crash
 HANG_AT_ENV = "REKINDLE_HANG_AT"  # "step[:rank]": spin forever at that step (first attempt only)
-CRASH_AT_ENV = "REKINDLE_CRASH_AT"  # "point@step[:rank]": a fault inside a checkpoint save (trainer.fault)
+CRASH_AT_ENV = "REKINDLE_CRASH_AT"  # "point@step[:rank]": a fault inside a checkpoint save (trainer.runtime.fault)
 SLOW_RANK_ENV = "REKINDLE_SLOW_RANK"  # "rank:seconds[@first[-last]]": that rank sleeps in those steps (a straggler)
 
 # --- exit codes, of a rank and of the launcher

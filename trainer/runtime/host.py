@@ -7,7 +7,7 @@ every step first-touches, page-faults and zeroes them again; on a virtual machin
 expensive. Keeping freed memory in the heap (no mmap for large blocks, no trimming) removes those
 faults; the price is that the process keeps its peak heap until it exits, which a trainer does
 anyway. The gain grows with the size of a step's activations: since the fused loss
-(`trainer/loss.py`) no longer materialises the default model's full logits, that model gains
+(`trainer/model/loss.py`) no longer materialises the default model's full logits, that model gains
 little from either setting, while models with larger activations still do. Measurements, from
 before and after the fused loss: docs/performance.md, "Where the default config's step goes"
 ("The page-fault tax") and the `dist.tune_malloc` entry of "`scripts/bench.py` (full)".

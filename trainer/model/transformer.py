@@ -1,7 +1,7 @@
 """A Llama-style decoder-only transformer in plain PyTorch: RMSNorm, RoPE, SwiGLU, causal attention
 (SDPA; when compiled on CPU, a blocked matmul form for short sequences), optional grouped KV heads
 and tied embeddings; given targets it returns its loss (the output layer fused with cross-entropy,
-`trainer/loss.py`). Nothing about parallelism lives here (see parallel.py)."""
+`trainer/model/loss.py`). Nothing about parallelism lives here (see parallel.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.loss import linear_cross_entropy
-from trainer.model_args import ModelArgs
+from trainer.model.args import ModelArgs
+from trainer.model.loss import linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -177,7 +177,7 @@ class Transformer(nn.Module):
                 targets: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits (batch, seq, vocab) in float32; given `targets`
         (batch, seq), the mean next-token loss instead, computed without materialising the logits
-        (`trainer.loss.linear_cross_entropy`; `mask` as in `cross_entropy`), as nanoGPT's model
+        (`trainer.model.loss.linear_cross_entropy`; `mask` as in `cross_entropy`), as nanoGPT's model
         returns its loss.
 
         positions: optional (batch, seq) int64 position ids for RoPE, e.g. restarting at 0 after each

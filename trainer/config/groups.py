@@ -1,7 +1,7 @@
 """The run configuration: one typed schema, loaded from YAML plus `key=value` overrides, validated
 before any work starts; every error names the key. Each key is declared once, as a field of its
-group below (the `model` group is the model's own `ModelArgs`, in trainer/model_args.py), with its
-default, its meaning and its limits beside it (`trainer.schema.setting`); rules between keys of a
+group below (the `model` group is the model's own `ModelArgs`, in trainer/model/args.py), with its
+default, its meaning and its limits beside it (`trainer.config.schema.setting`); rules between keys of a
 group are that group's `check`, rules that need the world size are in `validate`."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Union
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer import schema
-from trainer.model_args import ModelArgs
-from trainer.schema import ConfigError, setting
+from trainer.config import schema
+from trainer.config.schema import ConfigError, setting
+from trainer.model.args import ModelArgs
 
 
 @dataclass
@@ -301,7 +301,7 @@ def _to_yaml_key_path(full_key: str) -> str:
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every key within the limits declared beside it and each group's cross-field rules
-    (`trainer.schema.check`); with world_size, also batch divisibility."""
+    (`trainer.config.schema.check`); with world_size, also batch divisibility."""
     schema.check(cfg)
     t = cfg.train
     if world_size is not None:

@@ -1,7 +1,7 @@
 """One output voice per process, through `logging`: the trainer's lines read `[rekindle] ...` (rank 0
 says everything; other ranks only warnings and errors, prefixed with their rank), the launcher's
 `[launch] ...`. Warnings and errors say so (`warning: ...`, `error: ...`). Metrics records do not go
-through here: they stay in `metrics.jsonl` (trainer.metrics).
+through here: they stay in `metrics.jsonl` (trainer.observability.metrics).
 
 Modules log to `logging.getLogger("rekindle.<module>")` (the trainer) or `"launch"`; `setup` is
 called once, by the process's entry point. While a progress bar is on screen, lines are written

@@ -1,5 +1,5 @@
-"""The model's arguments, declared once: the shape of trainer.model's Transformer and also the
-`model` group of the run config (trainer/config.py). Torch-free, so that a config error answers
+"""The model's arguments, declared once: the shape of trainer.model.transformer's Transformer and also the
+`model` group of the run config (trainer/config/groups.py). Torch-free, so that a config error answers
 before torch loads."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainer.schema import ConfigError, setting
+from trainer.config.schema import ConfigError, setting
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The model's shape, declared once: also the `model` group of the run config (trainer/config.py)."""
+    """The model's shape, declared once: also the `model` group of the run config (trainer/config/groups.py)."""
 
     dim: int = setting(256, "width of the residual stream", gt=0)
     n_layers: int = setting(4, "transformer blocks", gt=0)
@@ -44,7 +44,7 @@ class ModelArgs:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     def check(self, prefix: str = "") -> None:
-        """The rules between fields (each field's own limits are beside it; `trainer.schema.check`)."""
+        """The rules between fields (each field's own limits are beside it; `trainer.config.schema.check`)."""
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"config key '{prefix}dim' ({self.dim}) must be divisible by {prefix}n_heads ({self.n_heads})"

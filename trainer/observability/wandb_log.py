@@ -29,8 +29,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer import logs
-from trainer.schema import ConfigError
+from trainer.config.schema import ConfigError
+from trainer.observability import logs
 
 if TYPE_CHECKING:
     from trainer.config import Config

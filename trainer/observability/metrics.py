@@ -1,5 +1,5 @@
 """Step metrics: tokens/s, MFU, memory, where the step time goes (StepTimer, LogWindow); `metrics.jsonl`
-and TensorBoard scalars in the run directory, the same scalars to W&B (trainer.wandb_log); the progress
+and TensorBoard scalars in the run directory, the same scalars to W&B (trainer.observability.wandb_log); the progress
 display on rank 0."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from trainer.protocol import open_jsonl
-from trainer.startup import remembered
+from trainer.observability.startup import remembered
+from trainer.runtime.protocol import open_jsonl
 
 if TYPE_CHECKING:
-    from trainer.wandb_log import WandbLog
+    from trainer.observability.wandb_log import WandbLog
 
 # Dense bf16 tensor-core peaks (FLOP/s) for GPUs we know; MFU is reported against these. Matched as
 # substrings of the device name in this order, so the PCIe/NVL variants (lower clocks and power) come

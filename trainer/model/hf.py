@@ -7,7 +7,7 @@ this run's shape), writing a model directory that `LlamaForCausalLM.from_pretrai
 one back (safetensors only, one file or sharded; a pickle is never loaded). Finding a checkpoint and the
 tokenizer it was trained with is trainer.export's job; loading the weights into a run is the loop's.
 
-RoPE: rekindle rotates the interleaved pairs (2i, 2i+1) of each head (`trainer.model.apply_rope`), HF
+RoPE: rekindle rotates the interleaved pairs (2i, 2i+1) of each head (`trainer.model.transformer.apply_rope`), HF
 Llama the pairs (i, i + head_dim/2) (`rotate_half`), both by the angle position * theta^(-2i/head_dim).
 The two models compute the same function when the rows of every query and key head are reordered so
 that row 2i becomes row i and row 2i+1 becomes row i + head_dim/2: attention scores are dot products
@@ -26,7 +26,7 @@ from safetensors.torch import load, load_file, save
 from data.tokenizer import EOS  # the default end of every document, and so also what precedes one
 from trainer import storage
 from trainer.checkpoint import IncompatibleCheckpointError
-from trainer.model_args import ModelArgs
+from trainer.model.args import ModelArgs
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -1,7 +1,7 @@
 """Worker-side fault handling: SIGTERM preemption (the ranks agree on it at a step boundary, commit an
 emergency checkpoint and exit with EXIT_PREEMPTED), dying with the launcher, and the fault injection
 that tests and chaos runs use (a crash, a hang, a kill or a write error at a given step and rank,
-named by environment variables of trainer.protocol). Everything here is a no-op without the launcher
+named by environment variables of trainer.runtime.protocol). Everything here is a no-op without the launcher
 or those variables."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from trainer import protocol
-from trainer.process import die_with_parent
+from trainer.runtime import protocol
+from trainer.runtime.process import die_with_parent
 
 FAULT_AFTER_BYTES = 4096  # `shards` / `write-error` fire once this much of the shard file is written
 
@@ -52,8 +52,8 @@ def storage_stalled(message: str) -> None:
 
 
 def lease_lost(message: str) -> None:
-    """Another job took over this run's directory (trainer.lease): stop before both write to it."""
-    from trainer.lease import DirectoryInUse
+    """Another job took over this run's directory (trainer.runtime.lease): stop before both write to it."""
+    from trainer.runtime.lease import DirectoryInUse
 
     stop_now(message, protocol.EXIT_USAGE, DirectoryInUse)
 

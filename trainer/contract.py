@@ -1,0 +1,63 @@
+"""Everything the launcher (launch/) uses of the trainer, and nothing else: the one module launch/
+imports from trainer/ (a unit test holds it to that). What crosses:
+
+  exit codes, env names, heartbeats, events   trainer.runtime.protocol: how a rank and its launcher talk
+  process helpers                             trainer.runtime.process: liveness, dying with a parent
+  the job id's env name                       trainer.runtime.lease: the launcher names the job its ranks lease under
+  config                                      trainer.config: the launcher refuses a bad config before any rank starts
+  cost, logs                                  one cost arithmetic and one `[launch]` / `[rekindle]` log format
+  torch-using parts, imported when first used (the launcher starts its fork server before torch loads):
+    tcp_store_server, is_loopback             trainer.distributed.parallel: the rendezvous's store
+    check_elastic_agent                       trainer.distributed.torch_compat: torchelastic's internals, checked
+    committed_steps, read_commit, step_dir    trainer.checkpoint.commit: the step a preempted job resumes from
+    trainer_main                              the trainer.__main__ module: what the fork server runs in a forked rank
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from trainer.config import Config, ConfigError, load, validate
+from trainer.observability import logs
+from trainer.observability.cost import cost_report, format_cost
+from trainer.runtime.lease import JOB_ENV
+from trainer.runtime.process import die_with_parent, exit_now, is_alive, proc_stat
+from trainer.runtime.protocol import (
+    EXIT_CRASH_LOOP,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    HEARTBEAT_DIR_ENV,
+    LAUNCHER_PID_ENV,
+    append_event,
+    read_heartbeats,
+)
+
+_LAZY = {
+    "tcp_store_server": ("trainer.distributed.parallel", "tcp_store_server"),
+    "is_loopback": ("trainer.distributed.parallel", "is_loopback"),
+    "check_elastic_agent": ("trainer.distributed.torch_compat", "check_elastic_agent"),
+    "committed_steps": ("trainer.checkpoint.commit", "committed_steps"),
+    "read_commit": ("trainer.checkpoint.commit", "read_commit"),
+    "step_dir": ("trainer.checkpoint.commit", "step_dir"),
+    "trainer_main": ("trainer.__main__", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The torch-using names, imported on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    loaded = importlib.import_module(module)
+    return loaded if attribute is None else getattr(loaded, attribute)
+
+
+__all__ = [
+    "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV",
+    "JOB_ENV", "LAUNCHER_PID_ENV", "Config", "ConfigError", "append_event", "cost_report", "die_with_parent",
+    "exit_now", "format_cost", "is_alive", "load", "logs", "proc_stat", "read_heartbeats", "validate", *_LAZY,
+]

@@ -1,0 +1,9 @@
+"""The training process's life under a supervisor: what it promises the launcher and how it behaves
+when things go wrong.
+
+    protocol      the contract with the launcher: env vars, exit codes, heartbeat records, events.jsonl
+    fault         preemption (SIGTERM, agreed by every rank), dying with the launcher, injected faults
+    lease         one job per run.dir / checkpoint.dir (LEASE.json, renewed; stale ones taken over)
+    process       /proc reads and process life (is_alive, die_with_parent, exit_now)
+    host          the host's memory settings: malloc tuning and transparent huge pages
+"""
