@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer.checkpoint import Checkpointer, TrainState
+from trainer.config import CheckpointConfig
 from trainer.distributed.parallel import DistInfo
 from trainer.distributed.torch_compat import FsspecReader as fsspec_reader
 from trainer.distributed.torch_compat import FsspecWriter
@@ -105,8 +106,8 @@ def sync_round(where: str, root: str, model, opt, repeats: int) -> dict[str, lis
     """Alternate raw and checkpointer saves/loads `repeats` times; seconds per operation."""
     times: dict[str, list[float]] = {f"{who} {op}": [] for who in ("raw", "ckpt", "ckpt-dcp", "dcp")
                                      for op in ("save", "load")}
-    ckpt = Checkpointer(f"{root}/ckpt", SOLO, keep=2)
-    standard = Checkpointer(f"{root}/ckpt-dcp", SOLO, keep=2, fmt="dcp")
+    ckpt = Checkpointer(f"{root}/ckpt", SOLO, CheckpointConfig(keep=2))
+    standard = Checkpointer(f"{root}/ckpt-dcp", SOLO, CheckpointConfig(keep=2, format="dcp"))
     other, other_opt, _ = build(len(model.layers), seed=1)
     for i in range(repeats):
         times["raw save"].append(timed(lambda: raw_save(model, opt, f"{root}/raw.pt")))
@@ -129,7 +130,7 @@ def sync_round(where: str, root: str, model, opt, repeats: int) -> dict[str, lis
 
 def async_round(root: str, model, opt, repeats: int, steps_per_save: int) -> dict[str, list[float]]:
     """Train; every `steps_per_save` steps start an async save and keep training until it commits."""
-    ckpt = Checkpointer(f"{root}/async", SOLO, keep=2, async_=True)
+    ckpt = Checkpointer(f"{root}/async", SOLO, CheckpointConfig(keep=2, async_=True))
     out: dict[str, list[float]] = {"blocked": [], "write": [], "step busy": [], "step idle": []}
     for _ in range(2):
         out["step idle"].append(timed(lambda: train_step(model, opt)))

@@ -26,6 +26,7 @@ from tests.helpers import (
     trainer_cmd,
 )
 from trainer.checkpoint import Checkpointer, TrainState, step_dir
+from trainer.config import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -41,7 +42,7 @@ def test_raw_format_round_trip_is_bit_exact(s3_bucket):
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_damaged_shard_on_s3_falls_back_to_previous(s3_bucket, capsys, how):
     root = f"{s3_bucket}/run/ck"
-    ckpt = Checkpointer(root, SOLO, keep=3)
+    ckpt = Checkpointer(root, SOLO, CheckpointConfig(keep=3))
     first = trained(0)
     ckpt.save(TrainState(step=1), *first)
     ckpt.save(TrainState(step=2), *trained(1))
@@ -83,7 +84,7 @@ def test_s3_load_reads_the_bytes_it_verified_and_cleans_up(s3_bucket):
     copy, so a change to the remote object after verification cannot reach the model. The spool
     is gone after the load, and the next verification sees the changed object."""
     root = f"{s3_bucket}/run/ck"
-    ckpt = Checkpointer(root, SOLO, keep=3)
+    ckpt = Checkpointer(root, SOLO, CheckpointConfig(keep=3))
     first = trained(0)
     ckpt.save(TrainState(step=1), *first)
     saved = trained(1)

@@ -29,6 +29,7 @@ from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState
 from trainer.checkpoint import format as ckpt_format
 from trainer.checkpoint.commit import seal, verify
 from trainer.checkpoint.format import RAW_FORMAT, UnsafeCheckpointError, load_metadata
+from trainer.config import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -74,7 +75,7 @@ def test_checkpoint_of_dcps_own_format_loads(tmp_path):
     """Steps in DCP's own format (checkpoint.format=dcp, and every checkpoint written before the raw
     format) load through the same reader, verified by the same checksums."""
     saved = trained(0)
-    Checkpointer(str(tmp_path), SOLO, fmt="dcp").save(TrainState(step=3), *saved)
+    Checkpointer(str(tmp_path), SOLO, CheckpointConfig(format="dcp")).save(TrainState(step=3), *saved)
     meta = load_metadata((tmp_path / "step-00000003" / ".metadata").read_bytes())
     assert all(info.transform_descriptors is None for info in meta.storage_data.values())  # DCP's format
     assert verify(str(tmp_path / "step-00000003")) == ""
@@ -92,7 +93,7 @@ def test_stock_dcp_tools_read_a_dcp_format_checkpoint(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, opt = trained(0)
-    Checkpointer(str(tmp_path), SOLO, fmt="dcp").save(TrainState(step=3), model, opt)
+    Checkpointer(str(tmp_path), SOLO, CheckpointConfig(format="dcp")).save(TrainState(step=3), model, opt)
     step = str(tmp_path / "step-00000003")
     model_sd, optim_sd = get_state_dict(model, opt)
     into = {"model": blank(model_sd), "optim": {"state": blank(optim_sd["state"])}}
@@ -123,7 +124,7 @@ def test_flipped_bit_in_raw_tensor_data_is_caught_before_use(tmp_path, capsys):
     The step is refused at discovery (and by export), before any of its bytes are loaded."""
     from trainer.export import resolve
 
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=3)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=3))
     first = trained(0)
     ckpt.save(TrainState(step=1), *first)
     ckpt.save(TrainState(step=2), *trained(1))

@@ -21,6 +21,7 @@ from trainer.checkpoint import (
     committed_steps,
 )
 from trainer.checkpoint.commit import verifying_rank
+from trainer.config import CheckpointConfig
 from trainer.model.transformer import ModelArgs, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "train_state.json", COMMIT])
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
 def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, capsys, name, how):
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=3)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=3))
     first = trained(0)
     ckpt.save(TrainState(step=1), *first)
     ckpt.save(TrainState(step=2), *trained(1))
@@ -52,7 +53,7 @@ def test_each_rank_verifies_the_shard_file_it_will_load():
 
 
 def test_retention_keeps_newest_and_milestones(tmp_path):
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2, keep_every=3)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2, keep_every=3))
     model, opt = trained(0)
     (tmp_path / "step-00000000").mkdir(parents=True)  # an uncommitted leftover of a crashed save
     for step in range(1, 8):
@@ -64,7 +65,7 @@ def test_retention_keeps_newest_and_milestones(tmp_path):
 def test_any_altered_byte_of_commit_json_is_detected(tmp_path):
     """COMMIT.json carries a checksum of its own content: a flipped bit that still parses (a size, a
     time, a name) is caught too."""
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=3)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=3))
     ckpt.save(TrainState(step=1), *trained(0))
     ckpt.save(TrainState(step=2), *trained(1))
     path = tmp_path / "step-00000002" / COMMIT
@@ -79,7 +80,7 @@ def test_any_altered_byte_of_commit_json_is_detected(tmp_path):
 
 
 def test_failed_save_keeps_every_previous_commit(tmp_path, monkeypatch):
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2))
     model, opt = trained(0)
     for step in (1, 2):
         ckpt.save(TrainState(step=step), model, opt)
@@ -95,12 +96,12 @@ def test_failed_save_keeps_every_previous_commit(tmp_path, monkeypatch):
 def test_retention_after_a_fallback_keeps_the_steps_of_this_timeline(tmp_path):
     """Resumed from step 4 because step 6 is corrupt: retention counts only steps up to the one just
     committed (which it never deletes), and deletes step 6, the abandoned timeline, once 5 exists."""
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2))
     model, opt = trained(0)
     for step in (2, 4, 6):
         ckpt.save(TrainState(step=step), model, opt)
     corrupt(tmp_path / "step-00000006" / "__0_0.distcp", "flip")
-    resumed = Checkpointer(str(tmp_path), SOLO, keep=2)
+    resumed = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2))
     assert resumed.discover_latest() == 4
     resumed.save(TrainState(step=5), model, opt)
     assert committed_steps(resumed.root) == [4, 5]  # was [5, 6]: the fallback gone, the corrupt step kept
@@ -108,13 +109,13 @@ def test_retention_after_a_fallback_keeps_the_steps_of_this_timeline(tmp_path):
 
 
 def test_all_newest_steps_unusable_then_fresh_saves_are_kept(tmp_path):
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2))
     model, opt = trained(0)
     for step in (60, 80):
         ckpt.save(TrainState(step=step), model, opt)
     for step in (60, 80):
         corrupt(tmp_path / f"step-{step:08d}" / "__0_0.distcp", "flip")
-    fresh = Checkpointer(str(tmp_path), SOLO, keep=2)
+    fresh = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2))
     assert fresh.discover_latest() is None
     for step in (10, 20, 30):
         fresh.save(TrainState(step=step), model, opt)
@@ -124,10 +125,10 @@ def test_all_newest_steps_unusable_then_fresh_saves_are_kept(tmp_path):
 def test_a_failure_after_the_commit_is_a_warning_not_a_failed_save(tmp_path, capsys, monkeypatch):
     """Deleting old steps or recording the commit can fail (a bucket that forbids deletes): the step is
     committed all the same, and the save says so instead of 'not committed'."""
-    def fail(*_):
+    def fail(*_, **__):
         raise PermissionError("deletes are forbidden here")
 
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2, on_commit=fail)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2), on_event=fail)
     monkeypatch.setattr(commit, "prune", fail)
     model, opt = trained(0)
     for step in (1, 2, 3):
@@ -143,7 +144,7 @@ def test_a_file_that_cannot_be_read_falls_back_like_a_corrupt_one(tmp_path, monk
     that step unusable; the run falls back to the previous step instead of crashing on every restart."""
     import errno
 
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=2)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=2))
     model, opt = trained(0)
     for step in (1, 2):
         ckpt.save(TrainState(step=step), model, opt)
@@ -162,7 +163,7 @@ def test_a_file_that_cannot_be_read_falls_back_like_a_corrupt_one(tmp_path, monk
 def test_async_save_after_the_optimizer_state_changed_shape(tmp_path):
     """The reused CPU buffer of async saves no longer fits once the optimizer state has a new entry:
     the save makes a new buffer instead of failing."""
-    ckpt = Checkpointer(str(tmp_path), SOLO, async_=True)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(async_=True))
     model, opt = trained(0)
     ckpt.save(TrainState(step=1), model, opt, blocking=False)
     ckpt.wait()
@@ -178,7 +179,7 @@ def test_async_write_error_is_raised_at_the_next_poll(tmp_path, monkeypatch):
     """In one process: once the background write has failed, the very next poll() (one per training
     step) raises; optimizer.step() is not left waiting for the copy."""
     monkeypatch.setenv("REKINDLE_CRASH_AT", "write-error@1")
-    ckpt = Checkpointer(str(tmp_path), SOLO, async_=True)
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(async_=True))
     model, opt = trained(0)
     ckpt.save(TrainState(step=1), model, opt, blocking=False)
     assert "No space left" in str(ckpt._pending.future.exception(timeout=60))  # the write has failed
@@ -212,13 +213,13 @@ def test_failed_periodic_saves_are_warnings_up_to_a_limit(tmp_path, monkeypatch,
     `checkpoint_failed` event, its partial step deleted (a full disk must not stay full); a success
     resets the count; one failure more than max_failed_saves in a row, or a required save, raises."""
     events = []
-    ckpt = Checkpointer(str(tmp_path), SOLO, keep=3, max_failed_saves=1,
+    ckpt = Checkpointer(str(tmp_path), SOLO, CheckpointConfig(keep=3, max_failed_saves=1),
                         on_event=lambda name, **fields: events.append((name, fields["step"])))
     model, opt = trained(0)
     assert ckpt.save(TrainState(step=1), model, opt, required=False) is not None
     monkeypatch.setenv("REKINDLE_CRASH_AT", "write-error@2")
     assert ckpt.save(TrainState(step=2), model, opt, required=False) is None
-    assert "warning: checkpoint step 2" in capsys.readouterr().out and events == [("checkpoint_failed", 2)]
+    assert "warning: checkpoint step 2" in capsys.readouterr().out and events == [("commit", 1), ("checkpoint_failed", 2)]
     assert not (tmp_path / "step-00000002").exists() and committed_steps(ckpt.root) == [1]
     ckpt.save(TrainState(step=3), model, opt, required=False)  # succeeds: the count starts again
     assert ckpt.failed_in_a_row == 0 and committed_steps(ckpt.root) == [1, 3]
@@ -227,5 +228,6 @@ def test_failed_periodic_saves_are_warnings_up_to_a_limit(tmp_path, monkeypatch,
     with pytest.raises(CheckpointError, match="step 4 .* not committed"):
         ckpt.save(TrainState(step=4), model, opt, required=False)  # the second in a row
     with pytest.raises(CheckpointError, match="step 4 .* not committed"):
-        Checkpointer(str(tmp_path), SOLO, max_failed_saves=5).save(TrainState(step=4), model, opt)  # required
+        Checkpointer(str(tmp_path), SOLO, CheckpointConfig(max_failed_saves=5)).save(  # a required save
+            TrainState(step=4), model, opt)
     assert committed_steps(ckpt.root) == [1, 3]

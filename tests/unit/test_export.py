@@ -9,13 +9,14 @@ from safetensors.torch import load_model
 
 from tests.helpers import SOLO, assert_params_equal, corrupt, trained
 from trainer.checkpoint import COMMIT, Checkpointer, TrainState
+from trainer.config import CheckpointConfig
 from trainer.export import main
 from trainer.model.transformer import Transformer
 
 
 @pytest.fixture
 def two_steps(tmp_path):
-    ckpt = Checkpointer(str(tmp_path / "ck"), SOLO, keep=3)
+    ckpt = Checkpointer(str(tmp_path / "ck"), SOLO, CheckpointConfig(keep=3))
     ckpt.save(TrainState(step=1), *trained(0))
     ckpt.save(TrainState(step=2), *trained(1))
     return tmp_path / "ck"

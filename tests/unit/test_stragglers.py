@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import SMOKE
-from trainer.config import ConfigError, load
+from trainer.config import ConfigError, LogConfig, TrainConfig, load
 from trainer.observability.metrics import LogWindow, PendingRecords, RecordDraft, StepTimer
 from trainer.observability.stragglers import StragglerWatch, straggler_scores
 from trainer.runtime import fault, protocol
@@ -148,7 +148,7 @@ def test_the_metrics_log_keeps_its_file_open_and_ends_a_torn_line_first(tmp_path
     from trainer.observability.metrics import MetricsLog
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')  # a writer killed mid-line
-    metrics = MetricsLog(str(tmp_path), 10, 2, enabled=True, progress=False)
+    metrics = MetricsLog(str(tmp_path), TrainConfig(steps=10), LogConfig(progress=False), 2, enabled=True)
     for step in (3, 4):
         metrics.log({"step": step, "loss": 1.0, "lr": 0.1, "tokens_per_s": 1.0, "mfu": 0.0})
         assert [r["step"] for r in protocol.read_jsonl(tmp_path / "metrics.jsonl")] == [1, *range(3, step + 1)]

@@ -29,6 +29,7 @@ from trainer.checkpoint.commit import TrainState, step_dir
 from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError, CheckpointStorageError, IncompatibleCheckpointError
 from trainer.checkpoint.spool import Spool
 from trainer.checkpoint.staging import AsyncStager
+from trainer.config import CheckpointConfig
 from trainer.distributed.parallel import DistInfo
 from trainer.runtime import fault
 
@@ -115,17 +116,18 @@ class Checkpointer:
     """Saves and restores model + optimizer + train state; one instance per rank. Collective (every
     rank calls them, in the same order): save, poll, wait, list_committed, discover_latest, load."""
 
-    def __init__(self, root: str, info: DistInfo, keep: int = 2, keep_every: int = 0, async_: bool = False,
-                 on_commit: Callable[[int], None] | None = None, every: int = 0, max_failed_saves: int = 0,
-                 on_event: Callable[..., None] | None = None, stalls: storage.StallWatch | None = None,
-                 fmt: str = "raw") -> None:
-        self.root, self.info, self.keep, self.keep_every, self.every = root, info, keep, keep_every, every
-        self.fmt = fmt  # shard format of the steps this writes ("raw" | "dcp"); any is loaded
-        self.on_commit = on_commit  # called on rank 0 with the step once its COMMIT.json is written
-        self.on_event = on_event  # called on rank 0 with (event name, **fields): failed saves, fallbacks
-        self.max_failed_saves, self.failed_in_a_row = max_failed_saves, 0
+    def __init__(self, root: str, info: DistInfo, settings: CheckpointConfig | None = None, *,
+                 on_event: Callable[..., None] | None = None, stalls: storage.StallWatch | None = None) -> None:
+        settings = settings or CheckpointConfig()  # keep, keep_every, every, async, format, max_failed_saves
+        self.root, self.info, self.keep, self.keep_every, self.every = (root, info, settings.keep,
+                                                                        settings.keep_every, settings.every)
+        self.fmt = settings.format  # shard format of the steps this writes ("raw" | "dcp"); any is loaded
+        # Called on rank 0 with (event name, **fields): "commit" once a step's COMMIT.json is written, failed
+        # saves, fallbacks.
+        self.on_event = on_event
+        self.max_failed_saves, self.failed_in_a_row = settings.max_failed_saves, 0
         self._all = _Collectives(info.world)
-        self._stager = AsyncStager(info.device, info.world) if async_ else None
+        self._stager = AsyncStager(info.device, info.world) if settings.async_ else None
         self._pending: _PendingSave | None = None
         self._save_s = 0.0
         self._spool = Spool()
@@ -268,7 +270,7 @@ class Checkpointer:
             self._unusable.difference_update([s for s in self._unusable if s >= step])  # gone, or re-saved
 
         for what, then in (("deleting old steps", prune),
-                           ("recording the commit", lambda: self.on_commit and self.on_commit(step))):
+                           ("recording the commit", lambda: self.on_event and self.on_event("commit", step=step))):
             try:
                 then()
             except Exception as e:  # noqa: BLE001

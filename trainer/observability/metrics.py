@@ -21,6 +21,7 @@ from trainer.observability.startup import remembered
 from trainer.runtime.protocol import open_jsonl
 
 if TYPE_CHECKING:
+    from trainer.config import LogConfig, TrainConfig
     from trainer.observability.wandb_log import WandbLog
 
 # Dense bf16 tensor-core peaks (FLOP/s) for GPUs we know; MFU is reported against these. Matched as
@@ -310,12 +311,12 @@ class MetricsLog:
     """Rank 0's view of the run: appends to metrics.jsonl (and TensorBoard with log.tensorboard, W&B with
     log.wandb) and drives the progress display."""
 
-    def __init__(self, run_dir: str, total_steps: int, start_step: int, enabled: bool, progress: bool,
-                 tensorboard: bool = False, log_every: int = 1, eval_every: int = 0,
+    def __init__(self, run_dir: str, train: TrainConfig, settings: LogConfig, start_step: int, enabled: bool,
                  wandb: WandbLog | None = None) -> None:
         self.enabled = enabled
         self.wandb = wandb
-        self.log_every, self.eval_every = log_every, eval_every
+        self.log_every, self.eval_every = train.log_every, train.eval_every
+        total_steps, progress, tensorboard = train.steps, settings.progress, settings.tensorboard
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None  # opened at the first record, kept open (one write per record)
         self.tb = None

@@ -1,0 +1,133 @@
+"""Where a run starts: the newest usable state (per checkpoint.resume) from the memory tier or the
+durable tier, whichever is newer, checked against this run's config; then the per-attempt meters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from trainer.checkpoint import CheckpointError, TrainState, memory_auto, step_dir
+from trainer.config import resume_rules
+from trainer.distributed import parallel
+from trainer.observability import logs, wandb_log
+from trainer.observability.metrics import LogWindow, MetricsLog, PendingRecords, RecordDraft, StepTimer
+from trainer.observability.profiling import StepProfiler
+from trainer.observability.stragglers import StragglerWatch
+from trainer.records import write_record
+from trainer.run import Meters, Progress, Run
+from trainer.runtime import protocol
+from trainer.step import NonFiniteGuard
+
+log = logs.get_logger()
+
+
+def resume(run: Run) -> Progress:
+    """Load the newest usable checkpoint (per checkpoint.resume); the progress the run starts from."""
+    cfg, root = run.cfg, run.cfg.checkpoint_dir
+    mode = cfg.checkpoint.resume
+    progress = Progress(fresh_state(run))
+    run.heartbeat.beat("load", t_load=time.time())
+    if mode == "never" and (existing := run.checkpointer.list_committed()):
+        raise CheckpointError(
+            f"checkpoint.resume=never, but {root} holds committed step(s) {existing}: set another "
+            "checkpoint.dir (or run.dir), or delete them to start over")
+    with run.stalls.guard("resuming from a checkpoint", root):
+        latest = run.checkpointer.discover_latest() if mode != "never" else None
+        parts = run.memory.scan() if run.memory is not None and mode != "never" else {}
+        in_memory, givers = run.memory.plan(parts) if run.memory is not None and mode != "never" else (None, {})
+        why = tier_choice(run, in_memory, latest)
+        if in_memory is not None and (latest is None or in_memory > latest):
+            load_snapshot(run, progress, in_memory, givers, parts, durable=latest)
+        elif latest is None and mode == "required":
+            raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
+        elif latest is not None:
+            load_checkpoint(run, progress, latest)
+            if run.memory is not None:
+                log.info("memory tier not used: %s", why)
+        elif mode != "never":
+            log.info("no committed checkpoint in %s: starting fresh", root)
+    run.heartbeat.beat("loaded", step=progress.state.step, t_loaded=time.time(), resumed_step=progress.state.step,
+                       resumed_tier=progress.resumed_tier, tier_why=why[:200])
+    return progress
+
+
+def fresh_state(run: Run) -> TrainState:
+    """Step 0 of this run: its world, config and model arguments."""
+    cfg = run.cfg
+    return TrainState(world=run.info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model), config=cfg.to_dict())
+
+
+def start_meters(run: Run, progress: Progress) -> Meters:
+    """The per-attempt instruments, from the start step on; the model in training mode."""
+    cfg, info, t = run.cfg, run.info, run.cfg.train
+    metrics = MetricsLog(cfg.run.dir, cfg.train, cfg.log, progress.state.step, info.is_main,
+                         wandb_log.start(cfg, progress.state.step) if info.is_main else None)
+    comm = parallel.CommTimer() if parallel.CommTimer.enabled_for(info) else None
+    timer = StepTimer(info.device, comm)
+    profiler = StepProfiler(cfg.profile.steps, cfg.run.dir, info.rank, info.device)
+    profiler.maybe_start(progress.state.step + 1)
+    stragglers = StragglerWatch(cfg.fault.straggler_factor, cfg.fault.straggler_s)
+    records = PendingRecords(lambda values: parallel.all_gather_rows(values, info),
+                             lambda draft, parts: write_record(run, metrics, stragglers, draft, parts),
+                             progress.restored_records)
+    measure = memory_auto.Measure(on_cpu=info.device.type == "cpu") if run.memory_auto else None
+    progress.start_step, progress.started = progress.state.step, time.perf_counter()
+    run.model.train()
+    return Meters(metrics, timer, LogWindow(timer), comm, profiler, NonFiniteGuard(t.max_bad_steps), stragglers,
+                  records, measure)
+
+
+def tier_choice(run: Run, in_memory: int | None, durable: int | None) -> str:
+    """Why the state comes from the tier it comes from (for the log and the ledger's resume event); ''
+    with the memory tier off."""
+    newest = "none" if durable is None else f"step {durable}"
+    if run.memory is None:
+        return ""
+    if in_memory is not None and (durable is None or in_memory > durable):
+        return f"memory snapshot of step {in_memory} is newer than the newest durable checkpoint ({newest})"
+    if in_memory is not None:
+        return f"the newest snapshot every rank has (step {in_memory}) is not newer than the durable {newest}"
+    seen = f" (on rank {run.info.rank}'s node: {run.memory.skipped[0]})" if run.memory.skipped else ""
+    return f"no memory snapshot that every rank has{seen}"
+
+
+def load_checkpoint(run: Run, progress: Progress, step: int) -> None:
+    """Load committed `step` into the run, once its config passes `resume_rules` (before any tensor
+    is read); list the settings this run changed, in the log and the ledger."""
+    cfg, path, changed = run.cfg, step_dir(run.cfg.checkpoint_dir, step), {}
+
+    def check(saved: TrainState) -> None:
+        changed.update(resume_rules.check_resume(saved.config, saved.model, cfg.to_dict(), path))
+
+    state = run.checkpointer.load(step, run.model, run.optimizer, check=check)
+    progress.state, progress.resumed_tier = state, "durable"
+    run.loader.load_state_dict(state.data or {})
+    log.info("resumed from step %d (%s, saved by %d rank(s))", state.step, path, state.world)
+    if changed:
+        log.info("settings changed since that checkpoint: %s", resume_rules.describe(changed))
+        if run.info.is_main:
+            protocol.append_event(cfg.run.dir, "config_changed", step=state.step,
+                                  changes={key: list(values) for key, values in changed.items()})
+    adopt_config(run, state)  # the next checkpoint records this run's settings
+
+
+def adopt_config(run: Run, state: TrainState) -> None:
+    """The loaded train state takes this run's config, model arguments and config hash."""
+    cfg = run.cfg
+    state.config, state.model, state.config_sha256 = cfg.to_dict(), asdict(cfg.model), cfg.sha256()
+
+
+def load_snapshot(run: Run, progress: Progress, step: int, givers: dict[int, int], parts: dict,
+                  durable: int | None) -> None:
+    """Restore this rank's part of memory snapshot `step` (same run, config and world size: nothing to
+    check or reshard), sent by the rank holding it when its own node does not have it (collective)."""
+    moved = sorted(rank for rank, giver in givers.items() if giver != rank)
+    state = run.memory.load(*run.memory.fetch(step, givers, parts), run.model, run.optimizer)
+    progress.state = state
+    progress.restored_records = [RecordDraft.from_json(d) for d in run.memory.restored_extra.get("records", [])]
+    adopt_config(run, state)  # a snapshot is of this very config (config_sha256 less where memory lives): not kept
+    progress.resumed_tier = "memory-peer" if moved else "memory-local"
+    run.loader.load_state_dict(state.data or {})
+    sent = f"; the part(s) of rank(s) {moved} sent by the rank(s) holding them" if moved else ""
+    log.info("resumed from step %d (memory snapshot in %s%s; newest durable checkpoint: %s)", state.step,
+             run.memory.dir, sent, "none" if durable is None else f"step {durable}")
