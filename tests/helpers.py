@@ -206,7 +206,8 @@ def check_raw_format_round_trip_is_bit_exact(path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from trainer import storage
-    from trainer.checkpoint.format import RAW_FORMAT, load_metadata, load_state, writer
+    from trainer.checkpoint.format import RAW_FORMAT, load_metadata, load_state
+    from trainer.checkpoint.writing import writer
 
     sd = odd_tensors()
     w = writer(path)

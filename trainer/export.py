@@ -61,7 +61,7 @@ from trainer.checkpoint.format import (
     quiet_single_process,
     set_element,
 )
-from trainer.checkpoint.format import writer as shard_writer
+from trainer.checkpoint.writing import writer as shard_writer
 from trainer.config import Config, ConfigError
 from trainer.config import load as load_config
 from trainer.model import hf

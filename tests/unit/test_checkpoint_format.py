@@ -25,7 +25,7 @@ from tests.helpers import (
     check_round_trip_is_bit_exact,
     trained,
 )
-from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState
+from trainer.checkpoint import COMMIT, Checkpointer, CheckpointError, TrainState, writing
 from trainer.checkpoint import format as ckpt_format
 from trainer.checkpoint.commit import seal, verify
 from trainer.checkpoint.format import RAW_FORMAT, UnsafeCheckpointError, load_metadata
@@ -46,7 +46,7 @@ def test_raw_format_partial_reads(tmp_path):
     """Resharding reads part of a stored chunk: whole rows (read alone), or a box (the chunk, then
     narrowed); into a contiguous destination or a strided view; with a dtype cast."""
     x = torch.arange(48, dtype=torch.float32).view(6, 8)
-    dcp.save({"x": x}, storage_writer=ckpt_format.writer(str(tmp_path)), no_dist=True)
+    dcp.save({"x": x}, storage_writer=writing.writer(str(tmp_path)), no_dist=True)
     reader = ckpt_format.reader(str(tmp_path))
     reader.set_up_storage_reader(reader.read_metadata(), True)
 
@@ -114,7 +114,7 @@ def test_stock_dcp_tools_read_a_dcp_format_checkpoint(tmp_path):
 def test_stock_dcp_reader_refuses_the_raw_format(tmp_path):
     """A reader that does not know the format (DCP's own) fails loudly instead of misreading bytes."""
     sd = {"x": torch.randn(4, 4), "step": 3}
-    dcp.save(sd, storage_writer=ckpt_format.writer(str(tmp_path)), no_dist=True)
+    dcp.save(sd, storage_writer=writing.writer(str(tmp_path)), no_dist=True)
     with pytest.raises(CheckpointException, match=f"Unknown extension name='{RAW_FORMAT}'"):
         dcp.load(blank(sd), storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
 

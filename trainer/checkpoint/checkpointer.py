@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import storage
-from trainer.checkpoint import commit
+from trainer.checkpoint import commit, writing
 from trainer.checkpoint import format as shard_format
 from trainer.checkpoint.commit import TrainState, step_dir
 from trainer.checkpoint.format import SAVE_ERRORS, CheckpointError, CheckpointStorageError, IncompatibleCheckpointError
@@ -180,7 +180,7 @@ class Checkpointer:
 
     def _write(self, sd: dict, path: str, injected, group) -> dict[str, dict]:
         """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
-        writer = shard_format.writer(path, injected, self.fmt)
+        writer = writing.writer(path, injected, self.fmt)
         with self._stalls.guard("writing a checkpoint", path):
             with shard_format.quiet_single_process():
                 dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
