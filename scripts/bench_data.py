@@ -1,6 +1,6 @@
 """Benchmark of the data pipeline, in one run (not a test):
 
-    /tmp/venvprobe/bin/python scripts/bench_data.py [--megabytes 12] [--vocab-size 2048] [--seq-len 256]
+    .venv/bin/python scripts/bench_data.py [--megabytes 12] [--vocab-size 2048] [--seq-len 256]
 
 1. data.prepare tokens/s against a raw `tokenizer.encode_batch` baseline on the same text with the same
    process count (1 process, then 2, ...), one tokenizer thread per process in both; ratio prepare /

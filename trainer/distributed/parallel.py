@@ -193,7 +193,7 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
                 blocks[name] = checkpoint_wrapper(block)
     # Per block (as torchtitan): inside FSDP2's per-block hooks, and on GPUs at any world size, where
     # one compiled block serves every layer, so compile time does not grow with depth, as the whole
-    # model's does (docs/performance.md, "`scripts/bench.py` (full)", change 5).
+    # model's does (docs/performance.md, "Design choices": compile).
     whole_model = cfg.compile and info.world == 1 and info.device.type == "cpu"
     if cfg.compile and not whole_model:
         for block in blocks.values():
@@ -216,7 +216,7 @@ def parallelize(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
             # No FSDP hooks to respect: one graph for the whole model also fuses across block
             # boundaries (a block's residual add with the next block's RMSNorm), a little faster than
             # per-block compile, for a longer compile that the small CPU models can afford
-            # (docs/performance.md, "`scripts/bench.py` (full)", change 5).
+            # (docs/performance.md, "Design choices": compile).
             model.compile()
     return model
 
@@ -265,8 +265,8 @@ def all_gather_rows(values: list[float], info: DistInfo) -> Callable[[], list[li
 
 def use_fused_adamw(cfg: DistConfig, device: torch.device) -> bool:
     """dist.fused_adamw: auto = the fused kernel on GPU (one launch for all parameters) and on CPU (one
-    pass over each parameter instead of one per operation, see docs/performance.md, "Where the default
-    config's step goes", change 2); foreach elsewhere."""
+    pass over each parameter instead of one per operation, see docs/performance.md, "Design choices":
+    fused AdamW); foreach elsewhere."""
     return cfg.fused_adamw == "fused" or (cfg.fused_adamw == "auto" and device.type in ("cuda", "cpu"))
 
 

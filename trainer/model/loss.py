@@ -91,7 +91,7 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
             grad, row_loss = _softmax_and_loss(logits, h, weight, t, i)
         else:  # no host sync per chunk on a GPU (the underflow check), where the extra pass is cheap
             # one fused kernel instead of logsumexp + sub: fewer passes over the chunk (docs/performance.md,
-            # "`scripts/bench.py` (full)", change 6)
+            # "Design choices": the fused output projection + cross-entropy)
             log_probs = torch.log_softmax(logits, dim=-1)
             row_loss = -log_probs[i, t]
             grad = log_probs.exp_() if grads else None  # softmax, in place
@@ -117,8 +117,8 @@ def _softmax_and_loss(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     """(softmax of `logits`, computed in place, and each row's loss -log p[target]).
 
     One pass over the logits fewer than log_softmax followed by exp, which counts because this part of
-    the CPU step is memory-bound (measured together with blocked attention: docs/performance.md,
-    "Blocked attention and a softmax-based loss", change 8). A target probability under 1e-30 (a
+    the CPU step is memory-bound (docs/performance.md, "Design choices": the fused output projection +
+    cross-entropy). A target probability under 1e-30 (a
     loss above 69 nats; float32 loses precision further down and underflows to 0) has its row's loss
     recomputed from the log-sum-exp of freshly projected logits (exact to float32 rounding): rare,
     and only those rows."""

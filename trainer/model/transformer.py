@@ -38,7 +38,7 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     rotation: (..., seq, head_dim // 2, 2) cos/sin, broadcast over batch and heads.
 
     Eager: one complex multiply per pair (rotating with four real multiplies, a stack and a flatten
-    measured 5x slower forward + backward on CPU). Under torch.compile: the same product in real
+    makes several element-wise passes where this makes one). Under torch.compile: the same product in real
     arithmetic, because inductor generates no code for complex numbers but fuses this into one loop."""
     rotation = rotation.float()  # a no-op for the model's float32 table
     if torch.compiler.is_compiling():
@@ -70,12 +70,11 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     kv_heads (the query heads of a group share one key/value head, as `enable_gqa=True`); bias:
     `causal_bias(seq)`. Equal to `F.scaled_dot_product_attention(q, k, v, is_causal=True,
     enable_gqa=...)`. Block i of query rows attends only to keys 0..end of block i, so the score
-    matmuls skip most of the masked upper triangle (62.5% of the full work for 4 blocks); the query
+    matmuls skip most of the masked upper triangle; the query
     heads of a group are stacked into one matmul against their shared keys. Under torch.compile the
     scale, mask and softmax of a block fuse into one kernel. Why: at seq 128 and head_dim 32 the CPU
-    flash kernel spends its time in thousands of tiny GEMM calls; this path is 1.3-1.5x faster per layer
-    (forward + backward, default config); with the in-place soft-max loss the compiled step is
-    1.04-1.06x faster (docs/performance.md)."""
+    flash kernel spends its time in thousands of tiny GEMM calls, where this path makes a few larger ones
+    (docs/performance.md, "Design choices": blocked causal attention)."""
     b, h, t, d = q.shape
     kv_heads = k.shape[1]
     group = h // kv_heads
@@ -156,7 +155,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(args.head_dim, args.seq_len, args.rope_theta), persistent=False)
         # The mask of blocked_causal_attention, as a table like `rope`: built inside the compiled graph
-        # instead, inductor recomputes it per element in the soft-max kernels (the step 1.02x slower).
+        # instead, inductor would recompute it per element in the soft-max kernels.
         short = args.seq_len <= BLOCKED_ATTENTION_MAX_SEQ
         self.register_buffer("attn_bias", causal_bias(args.seq_len) if short else None, persistent=False)
         self.init_weights()

@@ -8,19 +8,17 @@ expensive. Keeping freed memory in the heap (no mmap for large blocks, no trimmi
 faults; the price is that the process keeps its peak heap until it exits, which a trainer does
 anyway. The gain grows with the size of a step's activations: since the fused loss
 (`trainer/model/loss.py`) no longer materialises the default model's full logits, that model gains
-little from either setting, while models with larger activations still do. Measurements, from
-before and after the fused loss: docs/performance.md, "Where the default config's step goes"
-("The page-fault tax") and the `dist.tune_malloc` entry of "`scripts/bench.py` (full)".
+little from either setting, while models with larger activations still do (docs/performance.md,
+"Design choices": malloc tuning).
 
 Huge pages: with the above, every buffer of a step lives in the heap, mapped in 4 KiB pages; the
 matmuls and element-wise kernels that stream through several MiB of activations miss the TLB often.
 After the first step (when the heap has grown to its steady size) `huge_pages_for_heap()` asks the
 kernel to back the heap with 2 MiB transparent huge pages (`madvise(MADV_HUGEPAGE)`, then
 `MADV_COLLAPSE` to convert what is already mapped, Linux 6.1+): fewer TLB misses in every later
-step, for a collapse that is paid once (its gain and its cost: docs/performance.md, "Where the
-default config's step goes", change 4), at a launcher's first start only: after a restart it would
-add about a second to the recovery (trainer.loop). Where THP is off (`never`) or the kernel is older,
-the calls fail and nothing changes. The same effect as `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in
+step, for a collapse that is paid once (docs/performance.md, "Design choices": malloc tuning), at a
+launcher's first start only: after a restart it would add to every recovery (trainer.loop). Where
+THP is off (`never`) or the kernel is older, the calls fail and nothing changes. The same effect as `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in
 the launch environment, from inside the process.
 """
 
