@@ -131,3 +131,16 @@ def test_model_group_is_the_models_own_arguments():
     cfg = config.load(SMOKE, ["model.n_kv_heads=1"])
     assert isinstance(cfg.model, ModelArgs) and cfg.model.kv_heads == 1
     assert Transformer(cfg.model).args.n_kv_heads == 1  # trainer/loop.py builds the model from it as it is
+
+
+SHIPPED_CONFIG_HASHES = {  # a checkpoint records its config's hash: moving code must not change them
+    "smoke": "749c8ef27789d8fa84e2052e1b810be097f0f2cb1190752221b7601b18a3333d",
+    "default": "fe22721ce28391aabf28aecc928d444fcb2a85c0097e20f6f5008ae78ce3d756",
+    "gpt2-124m": "e813adb4bfff8e2541cba6f4731c93099f7eb32a720b265faf25e707467289db",
+    "llama-1b": "e83d44aa3cbaad42a518d0d44a713301150d06e27f5b9253120050bf68bb3a41",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_CONFIG_HASHES))
+def test_the_shipped_configs_keep_their_hashes(name):
+    assert config.load(REPO / "configs" / f"{name}.yaml").sha256() == SHIPPED_CONFIG_HASHES[name]
