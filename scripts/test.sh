@@ -9,4 +9,4 @@ bash scripts/setup.sh
 # The project's own .pyc files, so that the many processes the tests start do not each compile them
 # again (where PYTHONDONTWRITEBYTECODE is set); only what changed is compiled.
 .venv/bin/python -m compileall -q trainer data launch scripts tests >/dev/null
-exec .venv/bin/python -m pytest -n "${REKINDLE_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n "${REKINDLE_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

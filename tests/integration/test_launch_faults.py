@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, SMOKE, SOLO, child_env, free_port, read_metrics, smoke_model
+from tests.helpers import KNOWN_PEAK, REPO, SMOKE, SOLO, child_env, free_port, read_metrics, smoke_model
 from trainer.checkpoint import Checkpointer
 from trainer.runtime.protocol import read_events, read_heartbeats
 
 FAST = ["log.progress=false", "train.log_every=1", "train.eval_every=0", "fault.heartbeat_s=0.2",
-        "fault.restart_backoff_s=0.2"]
+        "fault.restart_backoff_s=0.2", KNOWN_PEAK]
 
 
 def launch(run_dir: Path, overrides: list[str] = (), nproc: int = 2, extra_args: list[str] = (),
