@@ -40,8 +40,14 @@ def source_files(max_bytes: int, root: Path | None = None) -> list[Path]:
     for directory, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not excluded(d)]
         found += [Path(directory, n) for n in names if n.endswith(".py") and not excluded(n)]
-    files = sorted(found)
-    random.Random(0).shuffle(files)  # mix packages so the held-out tail resembles the rest
+    return shuffled_up_to(found, max_bytes)
+
+
+def shuffled_up_to(files: list[Path], max_bytes: int) -> list[Path]:
+    """`files` in a fixed shuffled order (packages mixed, so the held-out tail resembles the rest), the
+    first of them until they hold max_bytes."""
+    files = sorted(files)
+    random.Random(0).shuffle(files)
     chosen, total = [], 0
     for p in files:
         if total >= max_bytes:

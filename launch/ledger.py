@@ -137,3 +137,12 @@ def format_summary(s: dict) -> str:
     recov = ", ".join(f"{r:.1f}s ({tier})" for r, tier in zip(s["recovery_s"], tiers, strict=False)) or "none"
     return (f"{s['restarts']} restart(s), {s['lost_steps']} lost step(s), recovery {recov}, "
             f"goodput {100 * s['goodput']:.1f}% ({s['productive_s']:.1f}s productive of {s['wall_s']:.1f}s wall)")
+
+
+def recovery_after(events: list[dict], at: float) -> tuple[dict, dict] | None:
+    """The first failure the ledger recorded at or after time `at` (a fault injected then) and the
+    resume that followed it; None while either is missing (benchmarks and chaos runs match their faults
+    to recoveries with it)."""
+    failure = next((e for e in events if e["event"] == "failure" and e["time"] >= at), None)
+    resume = failure and next((e for e in events if e["event"] == "resume" and e["time"] >= failure["time"]), None)
+    return (failure, resume) if resume else None

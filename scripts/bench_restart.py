@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch.ledger import recovery_after
 from trainer.runtime.protocol import read_events, read_heartbeats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,13 +126,10 @@ class Run:
     def breakdown(self, rows: list[dict]) -> list[dict]:
         """The rows with the ledger's split of each recovery (the failure and resume after each kill)."""
         events = read_events(self.dir)
-        failures = [e for e in events if e["event"] == "failure"]
-        resumes = [e for e in events if e["event"] == "resume"]
         out = []
         for row in rows:
-            failure = next((f for f in failures if f["time"] >= row["killed_at"]), None)
-            resume = next((r for r in resumes if failure and r["time"] >= failure["time"]), None)
-            if failure and resume:
+            if found := recovery_after(events, row["killed_at"]):
+                failure, resume = found
                 row = {**row, "detection_s": failure["time"] - row["killed_at"], "cause": failure["cause"],
                        "tier": resume["tier"], "lost_steps": resume["lost_steps"],
                        **{k: resume[k] for k in ("spawn_s", "startup_s", "load_s", "first_step_s")}}

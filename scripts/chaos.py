@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.ledger import recovery_after
 from trainer.observability import logs
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
 from trainer.testing import free_port, kill_tree
@@ -216,15 +217,13 @@ def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: rand
 
 def recoveries(kills: list[dict], events: list[dict]) -> list[dict]:
     """Each kill with the failure the launcher recorded after it and the resume that followed."""
-    failures = [e for e in events if e["event"] == "failure"]
-    resumes = [e for e in events if e["event"] == "resume"]
     rows = []
     for kill in kills:
-        failure = next((f for f in failures if f["time"] >= kill["time"]), None)
-        resume = next((r for r in resumes if failure and r["time"] >= failure["time"]), None)
-        if failure is None or resume is None:
+        found = recovery_after(events, kill["time"])
+        if found is None:
             rows.append({**kill, "detected": None})
             continue
+        failure, resume = found
         detect = failure["time"] - kill["time"]
         rows.append({**kill, "cause": failure["cause"], "detection_s": detect, "restart_s": resume["restart_s"],
                      "spawn_s": resume["spawn_s"], "startup_s": resume["startup_s"],

@@ -175,8 +175,9 @@ def test_a_store_client_waits_for_its_server_without_backing_off():
 
 def test_the_corpus_file_list_is_the_one_rglob_gave(tmp_path):
     """data.corpus.source_files walks the tree, skipping tests and site-packages: the same files in the
-    same order as the rglob it replaced (so the built-in corpus and its cache key do not change)."""
-    from data.corpus import source_files
+    same order as the rglob it replaced (so the built-in corpus and its cache key do not change): the
+    listing is what changed; both choose from their list with the same `shuffled_up_to`."""
+    from data.corpus import shuffled_up_to, source_files
 
     rng = random.Random(1)
     for path in ("a.py", "b.txt", "pkg/m.py", "pkg/test_m.py", "pkg/tests/x.py", "test/t.py", "idle_test/i.py",
@@ -190,15 +191,7 @@ def test_the_corpus_file_list_is_the_one_rglob_gave(tmp_path):
             parts = p.relative_to(tmp_path).parts
             return "site-packages" in parts or any(part.startswith(("test", "idle_test")) for part in parts)
 
-        files = sorted(p for p in tmp_path.rglob("*.py") if not excluded(p))
-        random.Random(0).shuffle(files)
-        chosen, total = [], 0
-        for p in files:
-            if total >= max_bytes:
-                break
-            chosen.append(p)
-            total += p.stat().st_size
-        return chosen
+        return shuffled_up_to([p for p in tmp_path.rglob("*.py") if not excluded(p)], max_bytes)
 
     for max_bytes in (1, 60, 10**6):
         assert source_files(max_bytes, tmp_path) == rglob_files(max_bytes)
