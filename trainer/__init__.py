@@ -3,6 +3,9 @@ torchrun or `python -m launch`. Grouped by job; each package's own docstring is 
 
     __main__        the command line: errors -> exit codes (trainer.runtime.protocol)
     loop            train(): build -> resume -> while: train_step -> after_step -> finish
+    run             Run (built once), Progress (changes per step), Meters (per attempt); build()
+    resume          the start state, from the memory tier or the durable tier; the meters
+    records         the metrics records: exchanged between ranks, written by rank 0, straggler verdicts
     step            one optimizer step -> StepResult; the non-finite guard
     optim           AdamW and the learning-rate schedule
     evaluate        the held-out loss and when it is due
