@@ -24,3 +24,9 @@ def test_the_launcher_imports_the_trainer_only_through_its_contract():
     crossing = {f"{path.relative_to(REPO)}: {module}" for path in (REPO / "launch").rglob("*.py")
                 for module in trainer_imports(path) if module != "trainer.contract"}
     assert not crossing, sorted(crossing)
+
+
+def test_no_library_file_is_over_400_lines():
+    long = {f"{path.relative_to(REPO)}: {n}" for package in ("trainer", "data", "launch")
+            for path in (REPO / package).rglob("*.py") if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, sorted(long)
