@@ -46,7 +46,7 @@ from data.readers import (  # BadInput, InputError, expand_inputs, read_document
 )
 from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
 from trainer.runtime.protocol import EXIT_USAGE
-from trainer.storage import filesystem, store_unreachable
+from trainer.storage import filesystem, storage_error
 
 # --- parallel tokenization: P single-threaded tokenizers (P processes, or this one when P = 1); chunks
 # of about CHUNK_CHARS characters (not a number of documents, which may be few and very unequal) keep
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:
-        if not store_unreachable(e):
+        if not storage_error(e):
             raise
         print(f"error: object storage unusable: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_USAGE

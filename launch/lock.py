@@ -3,7 +3,12 @@
 launcher of another job holds one (two jobs on one run.dir would resume from each other's checkpoints
 and interleave their ledgers); the launchers of one job (the nodes of a multi-node run sharing a
 run.dir, same rendezvous endpoint and id) may share it. The kernel drops a lock when its process
-dies, so a launcher killed with SIGKILL leaves a file that the next one removes."""
+dies, so a launcher killed with SIGKILL leaves a file that the next one removes.
+
+The trainer's lease (trainer.runtime.lease) says "one job per directory" too, and both are needed: this
+lock is local, taken before any rank starts (a second job's launcher stops before it starts anything)
+and shared by the launchers of one job; the lease covers checkpoint.dir on object storage as well, and
+plain torchrun or a single process, where no launcher runs."""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from trainer.contract import atomic_file
 
 LOCKS = ".launchers"
 
@@ -63,13 +70,15 @@ def claim(run_dir: str | Path, key: str) -> Iterator[Path]:
                 f"{holder.get('host', '?')}, running since {time.ctime(holder.get('since', 0))}; stop it, or "
                 "give this run another run.dir")
     path = directory / f"{socket.gethostname()}-{os.getpid()}.lock"
-    fd = os.open(f"{path}.new", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        record = {"job": key, "pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        os.write(fd, json.dumps(record).encode())
-        os.replace(f"{path}.new", path)  # visible only once locked and written
+        with atomic_file(str(path)) as f:  # visible only once locked and written
+            fd = os.dup(f.fileno())  # the lock is the open file's: this copy holds it once `f` is closed
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            f.write(json.dumps({"job": key, "pid": os.getpid(), "host": socket.gethostname(),
+                                "since": time.time()}).encode())
         yield path
     finally:
         path.unlink(missing_ok=True)
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)

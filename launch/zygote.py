@@ -1,5 +1,5 @@
 """Warm restarts: a fork server ("zygote") per launcher, so that a restarted rank does not pay
-interpreter start-up and `import torch` again (seconds; most of a restart on a small machine).
+interpreter start-up and `import torch` again (what they cost: docs/fault-tolerance.md, "Warm restarts").
 
 The launcher starts it once (`Zygote.start`, `python -m launch.zygote SOCKET ...`): it listens on a Unix
 socket in a private directory (0700), imports torch, torch.distributed and the trainer with everything
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch import stub
-from trainer.contract import die_with_parent, exit_now, is_alive
+from trainer.contract import die_with_parent, exit_now, scratch_prefix, sweep_scratch, temp_name
 
 # What the trainer imports on its way to the first step (trainer.__main__ imports most of it lazily),
 # measured from a 2-rank run: nothing more is imported after the fork.
@@ -71,8 +71,8 @@ class Zygote:
         self.starts = 0
 
     def start(self) -> None:
-        """Start (or start again) the fork server; it binds its socket within a fraction of a second
-        and preloads for seconds more (a stub that connects meanwhile waits for it)."""
+        """Start (or start again) the fork server; it binds its socket first and preloads after that
+        (a stub that connects meanwhile waits for it)."""
         self.starts += 1
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket)  # a previous server's: `wait_bound` waits for the new one's
@@ -111,37 +111,26 @@ class Zygote:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _namespace() -> str:
-    """`rekindle-zygote-<pid namespace>-`: a pid means something only inside its pid namespace
-    (containers sharing one temp directory may each have a launcher 42)."""
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        namespace = 0
-    return f"{_PREFIX}{namespace}-"
-
-
 def directory_prefix(pid: int | None = None) -> str:
-    """`rekindle-zygote-<pid namespace>-<launcher pid>-`: the socket directories of launcher `pid`."""
-    return f"{_namespace()}{os.getpid() if pid is None else pid}-"
+    """`rekindle-zygote-<pid namespace>-<launcher pid>-`: the socket directories of launcher `pid`
+    (trainer.runtime.scratch)."""
+    return scratch_prefix(_PREFIX, pid)
 
 
 def socket_parent() -> str:
-    """The temp directory, or /tmp where that is long: a Unix socket's path has at most 107 bytes."""
+    """The temp directory, or /tmp where that is long: a Unix socket's path has at most 107 bytes, and
+    the server binds at a temp name beside its socket first (`temp_name`, with the server's own pid, of
+    up to 7 digits)."""
     parent = tempfile.gettempdir()
-    return parent if len(parent) <= 48 or not os.path.isdir("/tmp") else "/tmp"
+    longest = len(temp_name(os.path.join(parent, f"{directory_prefix()}{'x' * 8}", SOCKET_NAME)))
+    longest += 7 - len(str(os.getpid()))
+    return parent if longest <= 107 or not os.path.isdir("/tmp") else "/tmp"
 
 
 def sweep() -> None:
     """Remove the socket directories of launchers (of this pid namespace) that no longer exist: one
     killed outright leaves its directory behind."""
-    ours = _namespace()
-    for parent in {tempfile.gettempdir(), socket_parent()}:
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(parent):
-                pid = entry.name.removeprefix(ours).split("-", 1)[0]
-                if entry.name.startswith(ours) and pid.isdigit() and not is_alive(int(pid)):
-                    shutil.rmtree(entry.path, ignore_errors=True)
+    sweep_scratch(_PREFIX, tempfile.gettempdir(), socket_parent())
 
 
 # ---------------------------------------------------------------------- the fork server
@@ -166,9 +155,7 @@ class Server:
 
     def bind(self) -> None:
         """Listen, then appear at `path` (renamed there: a stub that finds the path can connect)."""
-        fresh = f"{self.path}.{os.getpid()}"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(fresh)
+        fresh = temp_name(self.path)
         self.listener.bind(fresh)
         os.chmod(fresh, 0o600)
         self.listener.listen(256)

@@ -3,6 +3,8 @@ imports from trainer/ (a unit test holds it to that). What crosses:
 
   exit codes, env names, heartbeats, events   trainer.runtime.protocol: how a rank and its launcher talk
   process helpers                             trainer.runtime.process: liveness, dying with a parent
+  scratch directories                         trainer.runtime.scratch: per-process temp dirs, dead owners' swept
+  atomic writes                               trainer.storage: temp names, a file that appears whole
   the job id's env name                       trainer.runtime.lease: the launcher names the job its ranks lease under
   config                                      trainer.config: the launcher refuses a bad config before any rank starts
   cost, logs                                  one cost arithmetic and one `[launch]` / `[rekindle]` log format
@@ -35,6 +37,8 @@ from trainer.runtime.protocol import (
     append_event,
     read_heartbeats,
 )
+from trainer.runtime.scratch import scratch_prefix, sweep_scratch
+from trainer.storage import atomic_file, temp_name
 
 _LAZY = {
     "tcp_store_server": ("trainer.distributed.parallel", "tcp_store_server"),
@@ -58,6 +62,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV",
-    "JOB_ENV", "LAUNCHER_PID_ENV", "Config", "ConfigError", "append_event", "cost_report", "die_with_parent",
-    "exit_now", "format_cost", "is_alive", "load", "logs", "proc_stat", "read_heartbeats", "validate", *_LAZY,
+    "JOB_ENV", "LAUNCHER_PID_ENV", "Config", "ConfigError", "append_event", "atomic_file", "cost_report",
+    "die_with_parent", "exit_now", "format_cost", "is_alive", "load", "logs", "proc_stat", "read_heartbeats",
+    "scratch_prefix", "sweep_scratch", "temp_name", "validate", *_LAZY,
 ]

@@ -223,10 +223,10 @@ def start_memory_tier(cfg: Config, info: parallel.DistInfo,
         log.info("memory tier: off (checkpoint.memory_every=auto): %s", why)
         return None, False
     memory = memory_tier.MemoryTier(
-        directory, record["run_id"], identity, info.rank, info.world, every or 1, cfg.run.dir,
+        ck, info, record["run_id"], identity, every or 1, cfg.run.dir,
         on_failure=lambda error: log.warning("memory snapshot failed (training goes on; the durable tier and "
                                              "older snapshots stay): %s", error),
-        local_world=local_world, replicas=ck.memory_replicas)
+        local_world=local_world)
     how_often = ""
     if every is None:
         how_often = (f"auto: every step while the first {memory_auto.MEASURED_STEPS} steps are timed, then every "

@@ -1,8 +1,9 @@
 """Where bytes live, for the data pipeline and the checkpoints alike: fsspec file systems for local
 paths and URLs (`s3://`, `memory://`, ...), the one test of "is this storage local", whole-file
-writes (atomic, and durable where asked), checksums, and the one classification of "the storage could
-not be reached" errors, so that every caller reports an unreachable endpoint as one line naming the URL.
-Torch-free."""
+writes (atomic, and durable or exclusive where asked: every writer of a local file that others read
+while it is written uses `atomic_write` or `atomic_file`), checksums, and the one classification of
+"the storage could not be used" errors (`storage_error`), so that every caller reports an unreachable
+endpoint as one line naming the URL. Torch-free."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import contextlib
 import hashlib
 import itertools
 import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import fsspec
 import xxhash
@@ -70,21 +73,44 @@ def bound_requests(timeout_s: float) -> None:
     s3["config_kwargs"] = kwargs
 
 
-def caused_by_storage(e: BaseException) -> BaseException | None:
-    """The error in `e`'s chain (itself, its causes) that an object store's client raised (a refused or
-    timed-out connection, a throttled endpoint), or a stall: storage that may come back. None otherwise,
-    and for a chain that holds a missing file or a refused permission (no retry makes those appear)."""
+def storage_error(e: BaseException) -> BaseException | None:
+    """The one classification of "the storage could not be used": the error in `e`'s chain (itself, its
+    causes, the contexts it did not suppress) that says so, or None. In this order:
+
+    - a FileNotFoundError anywhere in the chain: None. A missing file is an answer of working storage,
+      which its caller handles as such (a step without its commit, a path that is not a dataset);
+    - a PermissionError (refused permissions or credentials; s3fs turns AccessDenied into one): that
+      error. The storage was reached and said no, so the error is the storage's: it is reported in one
+      line naming the URL (`unreachable_as`), and verification never takes a step it may not read for a
+      corrupt one (falling back past it, and deleting it later). No retry makes a permission appear,
+      though, so it is not storage that may come back (`caused_by_storage`);
+    - an error raised by an object store's client or fsspec, a StorageUnavailable (a stall, a
+      CheckpointStorageError), or a ConnectionError or TimeoutError that the system raised (it has an
+      errno: a refused or reset connection, a network mount that timed out): that error. A TimeoutError
+      that code raised with a message only is not the storage's (a rendezvous store that did not answer)."""
     chain, seen = [], set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         chain.append(e)
         e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-    if any(isinstance(link, (FileNotFoundError, PermissionError)) for link in chain):
+    if any(isinstance(link, FileNotFoundError) for link in chain):
         return None
     for link in chain:
-        if isinstance(link, StorageUnavailable) or type(link).__module__.split(".")[0] in (*STORE_CLIENTS, "fsspec"):
+        if isinstance(link, PermissionError):
+            return link
+    for link in chain:
+        client = type(link).__module__.split(".")[0] in (*STORE_CLIENTS, "fsspec")
+        system = isinstance(link, (ConnectionError, TimeoutError)) and link.errno is not None
+        if client or system or isinstance(link, StorageUnavailable):
             return link
     return None
+
+
+def caused_by_storage(e: BaseException) -> BaseException | None:
+    """`storage_error(e)` when the storage may come back (not a refused permission), else None: what makes
+    a rank exit EXIT_STORAGE (restarted with backoff) rather than failed."""
+    link = storage_error(e)
+    return None if isinstance(link, PermissionError) else link
 
 
 class StorageUnavailable(Exception):  # noqa: N818 - a kind of error, mixed into the callers' own
@@ -140,23 +166,16 @@ class StallWatch:
         self._closed.set()
 
 
-def store_unreachable(e: BaseException) -> bool:
-    """Whether `e` says the storage at a URL could not be reached or used (as opposed to a missing file
-    or a bug), so that callers can report the URL in one clear line."""
-    if isinstance(e, FileNotFoundError):
-        return False
-    client = type(e).__module__.split(".")[0] in STORE_CLIENTS
-    return client or isinstance(e, (ConnectionError, TimeoutError, PermissionError))
 
 
 @contextlib.contextmanager
 def unreachable_as(error: type[Exception], what: str) -> Iterator[None]:
-    """Inside: an exception that says the storage could not be used (`store_unreachable`) is raised
-    again as `error("<what>: <type>: <message>")`; any other exception passes unchanged."""
+    """Inside: an exception that says the storage could not be used (`storage_error`) is raised again as
+    `error("<what>: <type>: <message>")`; any other exception, and an `error` already, passes unchanged."""
     try:
         yield
     except Exception as e:
-        if not store_unreachable(e):
+        if isinstance(e, error) or storage_error(e) is None:
             raise
         raise error(f"{what}: {type(e).__name__}: {e}") from e
 
@@ -170,30 +189,62 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes, durable: bool = False) -> None:
-    """Write a file whole, so that no reader ever sees it half-written. Local: a temp file renamed over
-    `path`; with `durable`, the file and then its directory are fsynced as well, so that once this
-    returns the file survives a crash of the machine, complete or not at all. Object stores: one PUT,
-    whole (and durable) once acknowledged."""
-    if not is_local(fs):
-        with fs.open(path, "wb") as f:
-            f.write(data)
-        return
-    path = local_path(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
+def temp_name(path: str) -> str:
+    """A name beside `path` for a file (or socket) that is renamed to `path` once complete: this host, this
+    process and a random part, so that writers on two hosts sharing a file system (which may have the same
+    pid), two processes or two threads never write into one temp file. The host's first label only, at
+    most 16 characters: a Unix socket's path has at most 107 bytes."""
+    host = socket.gethostname().split(".", 1)[0][:16]
+    return f"{path}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, *, durable: bool = False, exclusive: bool = False) -> Iterator[BinaryIO]:
+    """A new local file, written in the block, that appears at `path` whole when the block ends, or not
+    at all: a temp file beside it (`temp_name`), renamed over `path`, and removed on any failure, the
+    block's own included. `durable`: the file and then its directory are fsynced, so that once the block
+    ends the file survives a crash of the machine. `exclusive`: only where no file is at `path`
+    (FileExistsError otherwise): the temp file is hard-linked there, so of two writers exactly one
+    succeeds. An OSError names the file."""
+    tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        with open(tmp, "xb") as f:
+            yield f
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:  # e.g. a full disk: leave nothing behind, and say which file it was
+        (os.link if exclusive else os.replace)(tmp, path)  # a link fails where a file is
+    except BaseException as e:  # e.g. a full disk: leave nothing behind, and say which file it was
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise OSError(e.errno, f"writing {path}: {e.strerror or e}") from e
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"writing {path}: {e.strerror or e}") from e
+        raise
+    if exclusive:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # its other name: the file is at `path`
     if durable:
         fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_write(path: str | os.PathLike, data: bytes, *, durable: bool = False, exclusive: bool = False) -> None:
+    """Write local file `path` whole, so that no reader ever sees it half-written (`atomic_file`)."""
+    with atomic_file(os.fspath(path), durable=durable, exclusive=exclusive) as f:
+        f.write(data)
+
+
+def write_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes, durable: bool = False,
+               exclusive: bool = False) -> None:
+    """Write a file whole, so that no reader ever sees it half-written. Local: `atomic_write`. Object
+    stores: one PUT, whole (and durable) once acknowledged; `exclusive` (FileExistsError where a file is
+    at `path`): If-None-Match."""
+    if is_local(fs):
+        atomic_write(local_path(path), data, durable=durable, exclusive=exclusive)
+    elif exclusive:
+        fs.pipe_file(path, data, mode="create")  # If-None-Match: *
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
 
 
 def write_durably(url: str, data: bytes) -> None:

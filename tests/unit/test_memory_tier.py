@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 
 import torch
 
-from tests.helpers import assert_same, trained
+from tests.helpers import SOLO, assert_same, trained
 from trainer.checkpoint import TrainState, memory_auto
 from trainer.checkpoint.memory import MemoryTier
+from trainer.config import CheckpointConfig
 
 
 def tier(tmp_path, run: str = "run-a", config: str = "cfg-1", world: int = 1, failures: list | None = None):
-    return MemoryTier(str(tmp_path / "shm"), run, config, rank=0, world=world, every=1,
-                      run_dir=str(tmp_path / "run"), on_failure=(failures.append if failures is not None else None))
+    return MemoryTier(CheckpointConfig(memory_dir=str(tmp_path / "shm")), replace(SOLO, world=world), run, config,
+                      every=1, run_dir=str(tmp_path / "run"),
+                      on_failure=(failures.append if failures is not None else None))
 
 
 def steps(memory: MemoryTier) -> list[int]:
@@ -73,7 +76,7 @@ def test_each_snapshot_has_the_tensors_as_they_are_then(tmp_path):
 
 
 def test_write_all_writes_more_buffers_than_one_system_call_takes(tmp_path):
-    from trainer.checkpoint.memory import IOV_MAX, _write_all
+    from trainer.checkpoint.memory_slots import IOV_MAX, _write_all
 
     chunks = [bytes([i % 251]) * (1 + i % 7) for i in range(IOV_MAX * 2 + 5)] + [b""]
     fd = os.open(tmp_path / "part.bin", os.O_RDWR | os.O_CREAT, 0o600)

@@ -1,9 +1,13 @@
-"""Bounds on storage (trainer.storage): the stall watch and which errors mean "storage may come back"."""
+"""Bounds on storage (trainer.storage): the stall watch, which errors are the storage's, and which of those
+mean "storage may come back"."""
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
+
+import pytest
 
 from trainer import storage
 from trainer.checkpoint import CheckpointError, CheckpointStorageError
@@ -71,3 +75,21 @@ def test_requests_get_timeouts_unless_the_user_set_their_own(monkeypatch):
     monkeypatch.setattr(fsspec.config, "conf", {"s3": {"config_kwargs": {"read_timeout": 99}}})
     storage.bound_requests(7.0)
     assert fsspec.config.conf["s3"]["config_kwargs"] == {"read_timeout": 99, "connect_timeout": 7.0}
+
+
+def test_a_refused_permission_is_the_storages_error_but_does_not_come_back():
+    refused = PermissionError(errno.EACCES, "Access Denied")
+    assert storage.storage_error(refused) is refused and storage.caused_by_storage(refused) is None
+    with pytest.raises(CheckpointStorageError, match="cannot read s3://b/ck: PermissionError") as raised:
+        with storage.unreachable_as(CheckpointStorageError, "cannot read s3://b/ck"):
+            raise refused
+    assert storage.caused_by_storage(raised.value) is None  # one line naming the URL, and no retrying
+    mount = TimeoutError(errno.ETIMEDOUT, "Connection timed out")  # the system's: a network mount
+    assert storage.caused_by_storage(mount) is mount
+    assert storage.storage_error(TimeoutError("rank 0's process-group store did not accept connections")) is None
+    for passing in (FileNotFoundError("s3://b/ck/step-00000010/COMMIT.json"), CheckpointError("corrupt"),
+                    CheckpointStorageError("cannot reach s3://b")):
+        with pytest.raises(type(passing)) as raised:
+            with storage.unreachable_as(CheckpointStorageError, "cannot read s3://b/ck"):
+                raise passing
+        assert raised.value is passing

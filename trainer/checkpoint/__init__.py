@@ -21,13 +21,18 @@ to s (and keep_every multiples) and deletes the newer steps this run fell back p
 deleted only after a newer one is committed, and a failure while deleting does not undo the commit.
 
 The package, by job:
-  format        the bytes: DCP readers/writers of the raw shard format, checksums while writing, safe loading
+  format        the raw shard format, its errors, and reading it: DCP readers, safe loading (no code runs)
+  writing       DCP writers of the raw (or DCP's own) format, checksumming every file as it is written
   commit        the files of the protocol, no collectives: step dirs, COMMIT.json, verify, list, prune
   spool         local copies of a remote step's verified files, for the load to read
+  background    BackgroundWriter: the one writer thread of async saves and of the memory tier
   staging       async saves: the background copy into a reused CPU buffer, and the write
   checkpointer  Checkpointer: the collective save / commit / discover / load
   memory        the memory tier (checkpoint.memory_every): each rank's shard in node-local memory every few
-                steps, copies on the next node, the restore plan; a restart prefers it when it is newer
+                steps, copies on the next node; a restart prefers it when it is newer
+  memory_slots  the memory tier's files on a node: slots, writing a part (header last), the scan that verifies
+  memory_state  what a memory-tier part holds of the state (tensors, their layout as bytes), and its restore
+  memory_peers  what the memory tier's ranks exchange: the peer copies, the restore plan, the parts sent
   memory_auto   checkpoint.memory_every=auto: the interval that keeps a snapshot's cost near 1% of the steps,
                 or off, saying why (memory_dir on a disk, not enough room)
 Fault injection for tests (`REKINDLE_CRASH_AT`) is in trainer.runtime.fault.

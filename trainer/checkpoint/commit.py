@@ -144,7 +144,7 @@ def _verify_files(path: str, rank: int, world: int, spool: str | None) -> str:
         try:
             problem = _verify_file(fs, p, path, name, want, spool and os.path.join(spool, name))
         except OSError as e:
-            if storage.store_unreachable(e):
+            if storage.storage_error(e):
                 raise
             problem = f"{path}/{name} is unreadable ({type(e).__name__}: {e})"  # e.g. EIO: a bad sector
         if problem:
@@ -153,7 +153,7 @@ def _verify_files(path: str, rank: int, world: int, spool: str | None) -> str:
         try:
             load_metadata(fs.cat_file(f"{p}/.metadata"))
         except Exception as e:  # noqa: BLE001 - any failure to parse means unusable
-            if storage.store_unreachable(e):
+            if storage.storage_error(e):
                 raise
             return f"{path}/.metadata is unusable: {type(e).__name__}: {e}"
     return ""

@@ -142,4 +142,4 @@ def keep_choice(run_dir: str, config: str, every: int) -> None:
     path = Path(run_dir) / RUN_ID_FILE
     record = json.loads(path.read_text())
     record[CHOICE_KEY] = {"config": config, "every": every}
-    storage.write_file(storage.filesystem(str(path))[0], str(path), json.dumps(record).encode(), durable=True)
+    storage.atomic_write(str(path), json.dumps(record).encode(), durable=True)

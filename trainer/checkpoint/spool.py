@@ -1,45 +1,24 @@
 """The spool: local copies of a remote checkpoint step's files, written while verification downloads
 and checksums them, and read by the load instead of downloading them again (so the bytes loaded are
 the bytes verified). One spool directory per process in the temp directory, named after the process
-(`rekindle-ckpt-<pid namespace>-<pid>-...`); those of processes that no longer exist (a rank killed
-while verifying) are swept when the next one is made."""
+(`rekindle-ckpt-<pid namespace>-<pid>-...`, trainer.runtime.scratch); those of processes that no longer
+exist (a rank killed while verifying) are swept when the next one is made."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
 import weakref
 
-from trainer.runtime.process import is_alive
+from trainer.runtime.scratch import scratch_prefix, sweep_scratch
 
 _PREFIX = "rekindle-ckpt-"
 
 
-def _namespace() -> str:
-    """`rekindle-ckpt-<pid namespace>-`: a pid is only meaningful inside its pid namespace
-    (containers sharing one temp directory may each have a process 42)."""
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        namespace = 0
-    return f"{_PREFIX}{namespace}-"
-
-
 def spool_prefix(pid: int | None = None) -> str:
     """Name prefix of the spool directories of process `pid` (default: this one)."""
-    return f"{_namespace()}{os.getpid() if pid is None else pid}-"
-
-
-def sweep() -> None:
-    """Delete the spool directories of this pid namespace's processes that no longer exist."""
-    ours = _namespace()
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(tempfile.gettempdir()):
-            pid = entry.name.removeprefix(ours).split("-", 1)[0]
-            if entry.name.startswith(ours) and pid.isdigit() and not is_alive(int(pid)):
-                shutil.rmtree(entry.path, ignore_errors=True)
+    return scratch_prefix(_PREFIX, pid)
 
 
 class Spool:
@@ -52,7 +31,7 @@ class Spool:
     def open(self, step: int) -> str | None:
         """A fresh, empty spool directory for `step` (None without a usable temp directory)."""
         self.drop()
-        sweep()
+        sweep_scratch(_PREFIX)  # those of processes that no longer exist
         try:
             directory = tempfile.mkdtemp(prefix=spool_prefix())
         except OSError:  # no temp directory: verify remotely, load remotely

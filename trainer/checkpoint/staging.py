@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint.background import BackgroundWriter
 from trainer.distributed.torch_compat import copy_state_dict, create_cpu_state_dict
 
 
@@ -24,18 +24,16 @@ class AsyncStager:
 
     def __init__(self, device: torch.device, world: int) -> None:
         self._pin = device.type == "cuda"
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt")
+        self._writer = BackgroundWriter("ckpt")
         self.group = dist.new_group(backend="gloo") if world > 1 else None
         self._buffer: dict | None = None  # CPU copy of the state, reused from save to save
         self._staged = threading.Event()
         self._staged.set()
-        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by optimizer (not its id)
         self.waited_s = 0.0  # time optimizer.step() waited for the copy since the last submit
 
     def submit(self, sd: dict, optimizer: torch.optim.Optimizer, write: Callable[[dict, Any], dict]) -> Future:
         """Start copying `sd`, then `write(copy, group)` in the background; returns the write's future."""
-        if optimizer not in self._hooks:
-            self._hooks[optimizer] = optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+        self._writer.hold_steps(optimizer, self.wait_staged)
         self._staged = threading.Event()
         self.waited_s = 0.0
         return self._writer.submit(self._stage_and_write, sd, write, self._staged)
@@ -65,8 +63,5 @@ class AsyncStager:
             self.waited_s += time.perf_counter() - start
 
     def close(self, wait: bool = True) -> None:
-        for handle in self._hooks.values():
-            handle.remove()
-        self._hooks.clear()
-        self._writer.shutdown(wait=wait, cancel_futures=not wait)
+        self._writer.close(wait)
         self._buffer = None

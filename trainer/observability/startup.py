@@ -1,7 +1,7 @@
 """What a restarted rank need not measure again. Under the launcher, a value a rank measured at its
-first start (the matmul peak that MFU is reported against: about a second) is kept in the launcher's
-heartbeat directory, which lives as long as the launcher, and the ranks of later worker groups read it
-instead of measuring again. Without the launcher (plain torchrun or one process) every start measures.
+first start (the matmul peak that MFU is reported against) is kept in the launcher's heartbeat
+directory, which lives as long as the launcher, and the ranks of later worker groups read it instead
+of measuring again. Without the launcher (plain torchrun or one process) every start measures.
 Torch-free."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainer import storage
 from trainer.runtime.protocol import HEARTBEAT_DIR_ENV
 
 
@@ -26,8 +27,6 @@ def remembered(key: str, measure: Callable[[], Any]) -> Any:
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         return json.loads(path.read_text())["value"]
     value = measure()
-    with contextlib.suppress(OSError):
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"value": value}))
-        os.replace(tmp, path)  # whole or not at all, for a rank reading it at the same moment
+    with contextlib.suppress(OSError):  # whole or not at all, for a rank reading it at the same moment
+        storage.atomic_write(path, json.dumps({"value": value}).encode())
     return value

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer import storage
 from trainer.config.schema import ConfigError
 from trainer.observability import logs
 
@@ -93,9 +94,7 @@ class WandbLog:
         self._save()
 
     def _save(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"id": self.run.id, "step": self.last_step}))
-        os.replace(tmp, self.state_path)
+        storage.atomic_write(self.state_path, json.dumps({"id": self.run.id, "step": self.last_step}).encode())
 
     def close(self, clean: bool = True) -> None:
         self.run.finish(exit_code=0 if clean else 1)

@@ -18,8 +18,8 @@ kernel to back the heap with 2 MiB transparent huge pages (`madvise(MADV_HUGEPAG
 `MADV_COLLAPSE` to convert what is already mapped, Linux 6.1+): fewer TLB misses in every later
 step, for a collapse that is paid once (docs/performance.md, "Design choices": malloc tuning), at a
 launcher's first start only: after a restart it would add to every recovery (trainer.loop). Where
-THP is off (`never`) or the kernel is older, the calls fail and nothing changes. The same effect as `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in
-the launch environment, from inside the process.
+THP is off (`never`) or the kernel is older, the calls fail and nothing changes. The same effect as
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in the launch environment, from inside the process.
 """
 
 from __future__ import annotations

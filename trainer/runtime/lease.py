@@ -9,7 +9,12 @@ launcher's ($REKINDLE_JOB), torchrun's run id, or this process.
 
 A new lease is created exclusively (a hard link locally, If-None-Match on S3), so two jobs that start
 together cannot both get it. Each renewal first reads the lease: a holder that finds another job's
-lease there (it was taken over while this one was silent) stops the run (`on_lost`). Torch-free."""
+lease there (it was taken over while this one was silent) stops the run (`on_lost`).
+
+The launcher's lock on run.dir (launch.lock) says "one job per directory" too, and both are needed: the
+lock is the launcher's, local and taken before any rank starts, shared by the launchers of one job; the
+lease is rank 0's, covers checkpoint.dir on object storage as well, and holds under plain torchrun or a
+single process, where no launcher runs. Torch-free."""
 
 from __future__ import annotations
 
@@ -18,7 +23,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -94,23 +98,10 @@ class Lease:
         """Write the lease only if there is none (atomically); whether this process created it."""
         fs, p = storage.filesystem(self.url)
         fs.makedirs(storage.filesystem(self.directory)[1], exist_ok=True)
-        if not storage.is_local(fs):
-            try:
-                fs.pipe_file(p, self._record(), mode="create")  # If-None-Match: *
-            except FileExistsError:
-                return False
-            return True
-        path = storage.local_path(p)
-        # Unique per creator: two hosts on one shared file system (or two threads) may have the same pid.
-        tmp = f"{path}.new-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        with open(tmp, "wb") as f:
-            f.write(self._record())
         try:
-            os.link(tmp, path)  # fails if a lease exists: two creators cannot both succeed
+            storage.write_file(fs, p, self._record(), exclusive=True)  # two creators cannot both succeed
         except FileExistsError:
             return False
-        finally:
-            os.unlink(tmp)
         return True
 
     def _gone(self, holder: Holder) -> str:

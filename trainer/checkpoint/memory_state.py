@@ -1,0 +1,138 @@
+"""What a memory-tier part holds of a rank's training state, and how it is put back
+(trainer.checkpoint.memory describes the tier): the rank's tensors in a fixed order, their layout as one
+part's bytes (kept from snapshot to snapshot while the tensors are the same), and the restore in place."""
+
+from __future__ import annotations
+
+import base64
+import operator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from trainer.checkpoint.commit import TrainState
+
+# (tensor table: [name, dtype, shape, offset, nbytes] per tensor; flat byte views of the non-empty ones;
+# the total size)
+Layout = tuple[list, list[torch.Tensor], int]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's data on this rank: a DTensor's local shard, else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """This rank's tensors of the training state, in a fixed order: the model's parameters and persistent
+    buffers, then each parameter's optimizer state. Writing into them restores the state in place.
+
+    The parameters are the optimizer's (always the sharded ones), named through the model. `state_dict()`
+    comes first: FSDP2's pre-save hook reshards the modules that a forward without backward (an eval)
+    left unsharded, whose attributes are until then the unsharded parameters, not the optimizer's."""
+    persistent = set(model.state_dict().keys())
+    names = {p: name for name, p in model.named_parameters()}  # keyed by the objects (held), not their ids
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i, p in enumerate(params) if p not in names]
+    if missing:
+        raise ValueError(f"optimizer parameter(s) {missing} are not among the model's parameters")
+    out = [(f"model.{name}", _local(p.detach())) for name, p in model.named_parameters()]
+    out += [(f"model.{name}", _local(b)) for name, b in model.named_buffers() if name in persistent]
+    for p in params:
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if torch.is_tensor(value):
+                out.append((f"optim.{names[p]}.{key}", _local(value)))
+    return out
+
+
+def state_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[int]]:
+    """What a listing of `local_tensors` stands for: the objects (the model, the optimizer, each parameter
+    and each optimizer state tensor: a load may replace these) and the address of each parameter's local
+    shard (FSDP2's lazy init may move it; `to_local()` returns a new view object each time)."""
+    objects: list[Any] = [model, optimizer]
+    addresses: list[int] = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                objects += (p, *(v for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v)))
+                addresses.append(_local(p).data_ptr())
+    return objects, addresses
+
+
+def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple, list))}
+            for g in optimizer.param_groups]
+
+
+class PartLayout:
+    """One rank's tensors as the bytes of its part: the layout on the training thread, the bytes to write
+    on the writer's."""
+
+    def __init__(self) -> None:
+        self._cache: tuple[list, list[int], Layout] | None = None
+        self._staging: torch.Tensor | None = None  # on a GPU: the part's bytes in pinned memory, reused
+
+    def of(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
+        """The part's layout: the header's tensor table (`local_tensors`), flat byte views of the non-empty
+        tensors and the total size. Kept from one snapshot to the next while `state_key` is the same (the
+        tensors are updated in place) and the tensors are contiguous (the views then alias them), so
+        that a snapshot does not list the tensors anew. The cache holds the objects themselves, and its
+        views hold the shards' memory, so neither an id nor an address can be reused by a replacement
+        while it is kept (a load frees the optimizer's state: a key of ids matched the new objects)."""
+        objects, addresses = state_key(model, optimizer)
+        if self._cache is not None:
+            kept, kept_addresses, layout = self._cache
+            if kept_addresses == addresses and len(kept) == len(objects) and all(map(operator.is_, kept, objects)):
+                return layout
+            self._cache = None
+        tensors = local_tensors(model, optimizer)
+        table, at = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), at, nbytes])
+            at += nbytes
+        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors if t.numel()]
+        layout = (table, flat, at)
+        if all(t.is_contiguous() for _, t in tensors):
+            self._cache = (objects, addresses, layout)
+        return layout
+
+    def views(self, layout: Layout) -> list[memoryview]:
+        """The part's bytes, as buffers to write straight from their memory: the tensors' own on the CPU
+        (writing them one by one would hold the interpreter lock the training thread waits for); on a GPU,
+        one reused pinned buffer they are first copied into."""
+        table, flat, at = layout
+        if any(v.device.type != "cpu" for v in flat):
+            if self._staging is None or self._staging.numel() != at:
+                self._staging = torch.empty(at, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            for v, (_, _, _, offset, nbytes) in zip(flat, [row for row in table if row[4]], strict=True):
+                self._staging[offset:offset + nbytes].copy_(v)
+            flat = [self._staging]
+        return [memoryview(v.numpy()) for v in flat]
+
+
+@torch.no_grad()
+def restore(binary: Path, header: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Put a verified part back in place: tensors, hyper-parameters, RNG; returns its train state. The
+    optimizer's state is made first if it has none yet."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if not optimizer.state:
+        get_state_dict(model, optimizer)  # makes the optimizer's state (a step with lr 0), as DCP's load does
+    tensors = local_tensors(model, optimizer)
+    table = header["tensors"]
+    if [row[0] for row in table] != [name for name, _ in tensors]:
+        raise ValueError("the snapshot's tensors are not this model's and optimizer's")
+    with open(binary, "rb") as f:
+        for (name, dtype, shape, at, nbytes), (_, t) in zip(table, tensors, strict=True):
+            if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+                raise ValueError(f"{name}: snapshot {shape} {dtype}, here {list(t.shape)} {t.dtype}")
+            f.seek(at)
+            data = f.read(nbytes)
+            src = torch.frombuffer(bytearray(data), dtype=t.dtype).view(t.shape) if nbytes else t
+            t.copy_(src)
+    for group, saved in zip(optimizer.param_groups, header["param_groups"], strict=True):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(header["rng"])), dtype=torch.uint8))
+    return TrainState(**header["state"])
