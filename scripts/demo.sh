@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+export PYTHONDONTWRITEBYTECODE=  # a module is compiled once, not at every start (see scripts/test.sh)
 exec .venv/bin/python -m trainer configs/default.yaml "$@"

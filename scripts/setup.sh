@@ -31,8 +31,6 @@ pip_setting() { "$VENV/bin/python" -m pip config get "global.$1" 2>/dev/null || 
 
 # uv installs the same packages as pip (the same versions here) in seconds rather than a minute and a
 # half; it is given pip's settings (local wheels, index, constraints). pip itself when uv cannot.
-# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (these machines set it), a
-# package without .pyc files is compiled again by every process that imports it (import torch 4 s, not 1.8).
 install() {
   if "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check uv 2>/dev/null; then
     local args=() link index constraint
@@ -41,7 +39,7 @@ install() {
     [ -n "$index" ] && args+=(--index-url "$index")
     constraint="${PIP_CONSTRAINT:-$(pip_setting constraint)}"
     [ -n "$constraint" ] && args+=(--constraint "$constraint")
-    "$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python" "${args[@]}" "$@" && return 0
+    "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" "${args[@]}" "$@" && return 0
     echo "[setup] uv could not install; pip instead"
   fi
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
@@ -49,4 +47,8 @@ install() {
 
 echo "[setup] installing $torch_req and rekindle[dev] into $VENV"
 install "$torch_req" -e '.[dev]'
+# uv writes no .pyc files (pip compiles all of them, at length). Where PYTHONDONTWRITEBYTECODE is set, a
+# module without one is compiled again by every process that imports it, torch included: so import what
+# a rank imports once here, writing the .pyc files of just those modules.
+PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" -c "import trainer.loop, trainer.export, launch.supervisor, data.prepare"
 echo "$want" > "$stamp"

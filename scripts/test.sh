@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check trainer data launch scripts tests
-# The project's own .pyc files, so that the many processes the tests start do not each compile them
-# again (where PYTHONDONTWRITEBYTECODE is set); only what changed is compiled.
-.venv/bin/python -m compileall -q trainer data launch scripts tests >/dev/null
+# The many processes the tests start write the .pyc files they lack, so that each module is compiled
+# once, not by each of them (where PYTHONDONTWRITEBYTECODE is set: these machines set it).
+export PYTHONDONTWRITEBYTECODE=
 exec .venv/bin/python -m pytest -n "${REKINDLE_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

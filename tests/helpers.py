@@ -85,7 +85,7 @@ def train_here(run_dir: Path, overrides: list[str]) -> list[float]:
     from trainer.config import load
     from trainer.loop import train
 
-    train(load(SMOKE, [f"run.dir={run_dir}", "log.progress=false", *overrides]))
+    train(load(SMOKE, [f"run.dir={run_dir}", "log.progress=false", KNOWN_PEAK, *overrides]))
     return [r["loss"] for _, r in sorted(read_metrics(run_dir).items())]
 
 

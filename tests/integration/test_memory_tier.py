@@ -196,7 +196,7 @@ def test_bad_snapshots_are_never_loaded_and_the_log_says_why(reference, tmp_path
 
     # Another run under the same run.dir name (made afresh): its snapshots are not this run's.
     (run_dir / "memory-tier.json").unlink()
-    out = train(run_dir, [*opts, "train.lr=0.002"])
+    out = train(run_dir, [*opts, "train.lr=0.002", "train.steps=24"])
     assert "removed the memory snapshots of an earlier run" in out and "resumed from step 20 (" in out, out[-3000:]
     assert not any(shm.iterdir()), "the run's snapshots outlived it"
 

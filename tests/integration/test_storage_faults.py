@@ -13,8 +13,8 @@ from tests.integration.test_launch_faults import finish, launch
 from trainer.runtime.protocol import read_events, read_jsonl
 from trainer.testing import TcpProxy
 
-GRACE = 5  # fault.preempt_grace_s: each SIGTERM below, with storage that does not answer, takes all of it
-BOUNDS = ["storage.timeout_s=2", "storage.stall_s=6", "fault.hang_timeout_s=60", f"fault.preempt_grace_s={GRACE}",
+GRACE = 4  # fault.preempt_grace_s: each SIGTERM below, with storage that does not answer, takes all of it
+BOUNDS = ["storage.timeout_s=2", "storage.stall_s=4", "fault.hang_timeout_s=60", f"fault.preempt_grace_s={GRACE}",
           "train.steps=40", "checkpoint.every=10", "fault.max_restarts=20"]
 
 

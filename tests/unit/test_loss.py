@@ -107,7 +107,7 @@ def test_chunks_are_cache_sized_on_cpu():
     assert chunk_rows(32_000, torch.device("cuda")) == 4160  # 512 MiB, rounded down to a multiple of 64
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiling: ~25 s
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiling is slow
 def test_the_model_returns_the_same_loss_and_gradients_as_its_logits_give(compiled):
     # one block (fewer kernels to compile), two query heads sharing one key/value head
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ def test_fused_adamw_gives_the_same_losses(plain, tmp_path):
     assert defaults("auto")["fused"] and not defaults("foreach")["fused"]
 
 
-@pytest.mark.slow  # compiles (about 26 s on 2 cores)
+@pytest.mark.slow  # compiles
 def test_compile_gives_the_same_losses(cache_dir, tmp_path):
     eager = train_here(tmp_path / "eager", [*SHORT, *TINY])
     compiled = train_here(tmp_path / "compiled", [*SHORT, *TINY, "dist.compile=true"])
