@@ -18,11 +18,18 @@ import pytest
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+# Test files that compile a model (long, and last in the default order): run first, so that the workers
+# end together on short files instead of one waiting for the other (pytest-xdist hands out whole files in
+# the order collected).
+COMPILE_FIRST = ("test_perf.py", "test_loss.py", "test_model.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if INTEGRATION in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: Path(item.path).name not in COMPILE_FIRST)  # stable: the order is kept otherwise
 
 
 @pytest.fixture(autouse=True)
