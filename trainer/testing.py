@@ -23,14 +23,9 @@ REGION = "us-east-1"
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, theirs, ...), read from /proc; in other sessions too
     (a launcher's fork server and its ranks start sessions of their own)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
+    from trainer.runtime.process import parent_pid
+
+    parents = {int(entry): parent_pid(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
     found, frontier = [], [pid]
     while frontier:
         below = [child for child, parent in parents.items() if parent in frontier]
@@ -45,6 +40,8 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
     import signal
     import time
 
+    from trainer.runtime.process import is_alive
+
     victims = [pid, *descendants(pid)]
     for send, target in [(os.killpg, pid)] + [(os.kill, p) for p in victims]:
         try:
@@ -53,16 +50,10 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
             pass
     deadline = time.monotonic() + timeout_s
     for victim in victims:
-        while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{victim}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        break  # dead, waiting for its parent to reap it
-            except OSError:
-                break
+        while is_alive(victim):  # a zombie waiting for its parent to reap it counts as dead
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process {victim} still alive {timeout_s:.0f}s after SIGKILL")
             time.sleep(0.01)
-        else:
-            raise TimeoutError(f"process {victim} still alive {timeout_s:.0f}s after SIGKILL")
 
 
 def free_port() -> int:

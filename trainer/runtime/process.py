@@ -41,6 +41,12 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
     return None if fields is None else (fields[0], int(fields[11]) + int(fields[12]))
 
 
+def parent_pid(pid: int) -> int | None:
+    """The pid of a process's parent, or None once it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
 def is_alive(pid: int) -> bool:
     """Running: not exited and not a zombie waiting to be reaped. Without /proc: signal 0 answers."""
     if Path("/proc/self/stat").exists():
