@@ -36,19 +36,26 @@ def test_measured_matmul_peak_counts_the_flops_of_the_products_it_times():
     """The peak MFU is measured against: 2 n^3 FLOPs per n x n product, on the device asked for.
     Checked against a plain timing of the same products: rounds of one and the other interleaved, the
     best of each compared (a factor-3 band), so that a neighbour's burst (the other test worker) slows
-    both sides alike."""
+    both sides alike). Up to three tries: a neighbour that kept one side slow through a whole try (seen
+    once under CI load: 17x) does not outlast three, and a wrong FLOP count fails every try."""
     n, reps = 256, 40
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    plain = peak = 0.0
-    for _ in range(4):
-        for _ in range(2):
-            start = time.perf_counter()
-            for _ in range(reps):
-                a @ b
-            plain = max(plain, 2 * n**3 * reps / (time.perf_counter() - start))
-        peak = max(peak, measure_matmul_peak(seconds=0.05, n=n, windows=2, device="cpu"))
-    assert plain / 3 < peak < plain * 3
+    tries = []
+    for _ in range(3):
+        plain = peak = 0.0
+        for _ in range(4):
+            for _ in range(2):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    a @ b
+                plain = max(plain, 2 * n**3 * reps / (time.perf_counter() - start))
+            peak = max(peak, measure_matmul_peak(seconds=0.05, n=n, windows=2, device="cpu"))
+        tries.append((plain, peak))
+        if plain / 3 < peak < plain * 3:
+            break
+    else:
+        raise AssertionError(f"measured peak outside 3x of a plain timing in every try (plain, peak): {tries}")
     assert measure_matmul_peak(seconds=0.02, n=64, dtype=torch.bfloat16, windows=1) > 0
 
 
