@@ -43,12 +43,13 @@ Assumptions (each a field of `Assumptions` and a CLI option; the measured parts 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+from trainer.runtime.protocol import EVENTS_FILE, read_jsonl
 
 STRATEGIES = ("durable", "memory", "in-process")
 LABELS = {"durable": "restart world, durable", "memory": "restart world, memory", "in-process": "in-process"}
@@ -128,19 +129,13 @@ class Row:
 def read_events(path: Path) -> list[dict]:
     """The records of one events.jsonl (or a run directory holding one); torn lines are skipped."""
     if path.is_dir():
-        path = path / "events.jsonl"
+        path = path / EVENTS_FILE
+    if not path.is_file():
+        raise EventsError(f"cannot read {path}: No such file or directory")
     try:
-        text = path.read_text()
+        records = [r for r in read_jsonl(path) if isinstance(r, dict) and "event" in r]
     except (OSError, UnicodeDecodeError) as e:
         raise EventsError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "event" in record:
-            records.append(record)
     if not records:
         raise EventsError(f"{path}: no ledger events (expected the launcher's events.jsonl)")
     return records
