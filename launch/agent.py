@@ -14,6 +14,7 @@ running group is healthy."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +26,8 @@ from typing import Protocol
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from launch.failures import RankExit
 from trainer.contract import check_elastic_agent, is_alive
@@ -73,6 +76,11 @@ class Hooks(Protocol):
 
     def review(self, status: GroupStatus) -> bool:
         """Every monitor interval; True declares a running group unhealthy (it is restarted)."""
+
+    def replace_failed(self, exits: dict[int, RankExit]) -> dict[str, str] | None:
+        """Ranks of the running group failed (`exits`, by global rank) while the others still run: the
+        environment to start their replacements with (in-process recovery: only they restart), or None
+        to let torchelastic stop and restart the whole group."""
 
 
 class Stopping(Exception):
@@ -185,12 +193,43 @@ class SupervisedAgent(LocalElasticAgent):
             time.sleep(min(0.1, max(deadline - time.time(), 0.0)))
 
     def _monitor_workers(self, worker_group) -> RunResult:
+        self._replace_failed(worker_group)
         result = super()._monitor_workers(worker_group)
         exits = {}
         if result.state == WorkerState.FAILED:
             exits = {rank: _rank_exit(rank, pf) for rank, pf in result.failures.items()}
         status = GroupStatus(result.state.name.lower(), exits, frozenset(self._victims))
         return RunResult(state=WorkerState.UNHEALTHY) if self.hooks.review(status) else result
+
+
+    def _replace_failed(self, worker_group) -> None:
+        """In-process recovery: before torchelastic sees a failed rank (it would stop the whole group),
+        offer the failure to the supervisor; when it says so, start that rank again alone, in place in
+        torchelastic's process context, and leave the others running."""
+        pcontext = self._pcontext
+        handlers = getattr(pcontext, "subprocess_handlers", None)
+        running = getattr(pcontext, "_running_local_ranks", None)
+        if not handlers or running is None or self.hooks.signalled():
+            return
+        dead = {lr: handlers[lr].proc.poll() for lr in running}
+        dead = {lr: code for lr, code in dead.items() if code not in (None, 0)}
+        if not dead:
+            return
+        exits = {}
+        for lr, code in dead.items():
+            failure = ProcessFailure(local_rank=lr, pid=handlers[lr].proc.pid, exitcode=code,
+                                     error_file=pcontext.error_files[lr])
+            exits[worker_group.workers[lr].global_rank] = _rank_exit(worker_group.workers[lr].global_rank, failure)
+        extra_env = self.hooks.replace_failed(exits)
+        if extra_env is None:
+            return
+        for lr in dead:
+            with contextlib.suppress(OSError):
+                os.remove(pcontext.error_files[lr])  # the replacement's own, if it fails
+            handlers[lr] = get_subprocess_handler(
+                entrypoint=pcontext.entrypoint, args=pcontext.args[lr], env={**pcontext.envs[lr], **extra_env},
+                stdout=pcontext.stdouts[lr], stderr=pcontext.stderrs[lr], local_rank_id=lr)
+            worker_group.workers[lr].id = handlers[lr].proc.pid
 
 
 def _rank_exit(rank: int, pf) -> RankExit:

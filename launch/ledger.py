@@ -30,6 +30,7 @@ class Attempt:
     first_step_at: float = 0.0
     interrupted_at: float | None = None  # when the previous group was stopped (failure noticed, or a restart)
     reason: str = ""  # why: "failure", "membership change" or "launcher lost" ("" for a first attempt)
+    path: str = "restart"  # restart (every rank started again) | in-process (the failed ranks alone)
 
 
 @dataclass
@@ -46,8 +47,12 @@ class Ledger:
         return append_event(self.run_dir, name, node=self.node, **fields)
 
     # ------------------------------------------------------------------ attempts
-    def attempt_started(self, n: int, interrupted_at: float | None = None, reason: str = "") -> None:
-        self.attempts.append(Attempt(n=n, started=time.time(), interrupted_at=interrupted_at, reason=reason))
+    def attempt_started(self, n: int, interrupted_at: float | None = None, reason: str = "",
+                        path: str = "restart") -> None:
+        """A new start of the group (`restart`), or of its failed ranks alone (`in-process`: a new segment
+        of the same attempt, its heartbeats those of the new generation)."""
+        self.attempts.append(Attempt(n=n, started=time.time(), interrupted_at=interrupted_at, reason=reason,
+                                     path=path))
 
     def observe(self, beat: dict) -> dict | None:
         """Fold in the current attempt's heartbeat; returns the `resume` event once its first step is done."""
@@ -64,17 +69,28 @@ class Ledger:
         if previous is None or a.interrupted_at is None:
             return None
         since = a.interrupted_at  # this attempt's own cause, not an older failure
+        if beat.get("t_error"):  # a survivor noticed the lost peer itself, before the launcher did
+            since = min(since, beat["t_error"])
         lost = max(previous - a.resumed_step, 0)
         resume = {
-            "step": a.resumed_step, "lost_steps": lost, "reason": a.reason,
+            "step": a.resumed_step, "lost_steps": lost, "reason": a.reason, "path": a.path,
             "tier": beat.get("resumed_tier", "durable"),  # memory-local | memory-peer | durable | none
             "tier_why": beat.get("tier_why", ""),
             "recovery_s": round(beat["t_first"] - since, 3), "restart_s": round(beat["t_load"] - since, 3),
-            "spawn_s": round(beat["t_proc"] - since, 3),  # stop the group, rendezvous, fork/exec
-            "startup_s": round(beat["t_load"] - beat["t_proc"], 3),  # import torch, join the group, build the model
             "load_s": round(beat["t_loaded"] - beat["t_load"], 3),
             "first_step_s": round(beat["t_first"] - beat["t_loaded"], 3),
         }
+        if a.path == "in-process" and beat.get("t_left"):  # a survivor's account of its recovery
+            resume.update(
+                detect_s=round(beat["t_error"] - since, 3),  # failure -> the first to notice (rank or launcher)
+                leave_s=round(beat["t_left"] - beat["t_error"], 3),  # out of the collective, groups left
+                wait_s=round(beat["t_joined"] - beat["t_left"], 3),  # until every rank (the replacement) arrived
+                reform_s=round(beat["t_reformed"] - beat["t_joined"], 3),  # the groups formed again
+                restore_s=round(beat["t_loaded"] - beat["t_reformed"], 3),  # the snapshot agreed on and loaded
+                replaced=beat.get("replaced", []), kept_pid=beat["pid"])
+        else:
+            resume.update(spawn_s=round(beat["t_proc"] - since, 3),  # stop the group, rendezvous, fork/exec
+                          startup_s=round(beat["t_load"] - beat["t_proc"], 3))  # join the group, build the model
         self.resumes.append(resume)
         return self.event("resume", **resume)
 

@@ -19,7 +19,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from launch.zygote import STUB_PATH
-from trainer.contract import is_loopback, tcp_store_server
+from trainer.contract import COORD_STORE_ENV, is_loopback, tcp_store_server
 
 if TYPE_CHECKING:
     from launch.options import LaunchOptions
@@ -70,10 +70,12 @@ def handler(params: RendezvousParameters) -> RendezvousHandler:
     hosted by the first launcher to bind it (the others on this machine connect to it)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     if not is_loopback(host):
+        os.environ[COORD_STORE_ENV] = f"{host}:{port}"  # the ranks' store for in-process recovery
         return rdzv_registry.get_rendezvous_handler(params)
     timeout = timedelta(seconds=int(params.get("read_timeout", "60")))
     try:
         store = tcp_store_server(host, port, None, timeout, multi_tenant=True)
     except OSError:  # taken: another launcher on this machine hosts the rendezvous
         store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+    os.environ[COORD_STORE_ENV] = f"{host}:{store.port}"
     return dynamic_rendezvous.create_handler(store, C10dRendezvousBackend(store, params.run_id), params)

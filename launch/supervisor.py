@@ -26,13 +26,15 @@ from pathlib import Path
 from launch import failures, rendezvous
 from launch.agent import GroupStatus, SupervisedAgent
 from launch.failures import Failure
+from launch.inprocess import InProcessRecovery
 from launch.ledger import Ledger, format_summary
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
 from launch.stub import ZYGOTE_ENV
 from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
-from launch.zygote import Zygote
+from launch.zygote import Zygote, kill_group
 from trainer.contract import (
+    COORD_STORE_ENV,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_PREEMPTED,
@@ -44,6 +46,9 @@ from trainer.contract import (
 )
 
 log = logging.getLogger(__name__)
+
+
+HANG_EXIT_WAIT_S = 10.0  # a hung rank SIGKILLed alone: how long its exit may take to reach the agent
 
 
 class Supervisor:
@@ -63,6 +68,8 @@ class Supervisor:
         self.heartbeat_dir = Path(tempfile.mkdtemp(prefix=heartbeat_prefix(), dir=cfg.run.dir))
         stall = cfg.storage.stall_s
         self.watchdog = Watchdog(self.heartbeat_dir, f.hang_timeout_s, stall + 10.0 if stall else 0.0)
+        # One node for now: a lost node would leave the survivors waiting for ranks no launcher restarts.
+        self.inproc = InProcessRecovery(f.in_process and opts.max_nodes == 1, single_node=opts.max_nodes == 1)
         self.agent: SupervisedAgent | None = None  # created by run()
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
         self.preempt_at: float | None = None  # set by the signal handler (main thread)
@@ -77,6 +84,7 @@ class Supervisor:
             self.ledger.previous_last_step = lost["step"]
             self._interrupted = (self.ledger.started, "launcher lost")
         self._next_check = 0.0
+        self._recorded = False  # the failed group's failure is in the ledger already (in-process path)
         self._succeeded = False
         self._error: BaseException | None = None
 
@@ -90,6 +98,7 @@ class Supervisor:
     def before_start(self, attempt: int) -> None:
         self.attempt = attempt
         self.watchdog.reset()
+        self.inproc.reset()
         if self.zygote is not None and not self.zygote.alive():
             if self.zygote.ensure() and self.zygote.wait_bound():
                 log.warning(f"the fork server for warm restarts had ended: started again (pid {self.zygote.pid})")
@@ -113,23 +122,64 @@ class Supervisor:
             log.info(f"no progress since the last failure: waiting {delay:.1f}s before restarting")
         return delay
 
+    def replace_failed(self, exits: dict) -> dict[str, str] | None:
+        """In-process recovery (launch.inprocess): the replacements' environment, or None for a full restart."""
+        beats = self.watchdog.beats(self.attempt)
+        failure, tb = failures.from_exits(exits, set(), beats, self._last_step())
+        failure, self.inproc.hang = self.inproc.hang or failure, None  # a hung rank this launcher killed
+        # The trainers' own pids (a warm rank's torchelastic worker is its stub): single node, local = global rank.
+        running = {lr: beats[lr]["pid"] if lr in beats else pid for lr, pid in self.agent.worker_pids().items()}
+        env, why = self.inproc.offer(exits, beats, failure, running)
+        if env is None:
+            if why:
+                log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
+                self.ledger.event("in_process_fallback", why=why, rank=failure.rank)
+            return None
+        self._on_failure(failure, tb, path="in-process")
+        if self._decision is not None:  # the policy stopped here (budget, crash loop): it is recorded
+            self.inproc.reset()
+            self._recorded = True
+            return None
+        pending = self.inproc.pending
+        self.ledger.attempt_started(self.attempt, pending.noticed, "failure", path="in-process")
+        log.info(f"in-process recovery, generation {pending.generation}: starting rank(s) {pending.replaced} "
+                 f"again; the other ranks keep their processes (pids {sorted(pending.kept.values())} here)")
+        return env
+
     def review(self, status: GroupStatus) -> bool:
         """Every monitor interval, with the agent's own view; True turns a healthy group into a hung one."""
         now = time.time()
         if self.preempt_at is not None:
             self._forward_preemption(now)
-        if status.state not in ("failed", "succeeded") and now < self._next_check:
+        if status.state not in ("failed", "succeeded") and now < self._next_check and self.inproc.pending is None:
             return False
         self._next_check = now + self.cfg.fault.heartbeat_s
         beats = self.watchdog.beats(self.attempt)
-        if beats:
-            self._observe(beats[min(beats)])
+        current = self.inproc.current(beats)
+        pending = self.inproc.pending
+        if current:
+            kept = [r for r, b in current.items() if pending is None or b.get("pid") in pending.kept.values()]
+            self._observe(current[min(kept or current)])
+        settled = self.inproc.settle(beats)
+        if settled is not None:
+            self.ledger.event("in_process_done", generation=settled.generation, replaced=settled.replaced,
+                              kept_pids=sorted(settled.kept.values()))
         if self.preempt_at is not None:
             return False
         if status.state == "failed":
-            self._on_failure(*failures.from_exits(status.exits, set(status.victims), beats, self._last_step()))
+            if not self._recorded:
+                self._on_failure(*failures.from_exits(status.exits, set(status.victims), beats, self._last_step()))
+            self._recorded = False
         elif status.state == "healthy":
-            hang = self.watchdog.check(self.attempt, now)
+            if self.inproc.hang is not None and now - self.inproc.hang_killed_at < HANG_EXIT_WAIT_S:
+                return False  # the hung rank was SIGKILLed alone: its exit is on its way to the agent
+            hang = self.watchdog.check(self.attempt, now, ignore=self.inproc.dead_pids())
+            if hang and self.inproc.enabled and self.inproc.pending is None and hang.state != "gone":
+                # In process: kill the hung rank alone; its replacement is started as for a crash.
+                self.inproc.hang, self.inproc.hang_killed_at = failures.from_hang(hang, self.cfg.checkpoint_dir), now
+                log.info(f"{self.inproc.hang.describe()}: killing it (pid {hang.pid})")
+                kill_group(hang.pid)
+                return False
             if hang:
                 self._on_failure(failures.from_hang(hang, self.cfg.checkpoint_dir), "")
                 return True
@@ -141,23 +191,29 @@ class Supervisor:
     def _observe(self, beat: dict) -> None:
         """Fold this node's lowest rank's heartbeat into the ledger; say so once a restarted group resumed."""
         event = self.ledger.observe(beat)
-        if event:
-            log.info(f"resumed at step {event['step']} from the {event['tier']} tier: {event['lost_steps']} step(s) "
-                     f"lost, recovery "
-                     f"{event['recovery_s']:.1f}s (restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, "
-                     f"first step {event['first_step_s']:.1f}s)"
-                     + (f"; {event['tier_why']}" if event["tier_why"] else ""))
+        if not event:
+            return
+        if "wait_s" in event:
+            split = (f"in process: left {event['leave_s']:.2f}s, waited {event['wait_s']:.2f}s, re-formed "
+                     f"{event['reform_s']:.2f}s, load {event['load_s']:.2f}s, first step {event['first_step_s']:.2f}s")
+        else:
+            split = (f"restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, first step "
+                     f"{event['first_step_s']:.1f}s")
+        why = f"; {event['tier_why']}" if event["tier_why"] else ""
+        log.info(f"resumed at step {event['step']} from the {event['tier']} tier: {event['lost_steps']} step(s) lost, "
+                 f"recovery {event['recovery_s']:.2f}s ({split}){why}")
 
-    def _on_failure(self, failure: Failure, tb: str) -> None:
+    def _on_failure(self, failure: Failure, tb: str, path: str = "restart") -> None:
         record = self.ledger.failure(attempt=self.attempt, rank=failure.rank, cause=failure.cause, step=failure.step,
                                      exit_code=failure.exit_code, signal=failure.signal, message=failure.message,
-                                     traceback=tb)
+                                     traceback=tb, path=path)
         log.info(f"failure: {failure.describe()}" + (f"\n{tb}" if tb else ""))
         self._interrupted = (record["time"], "failure")
         decision = self.policy.decide(failure)
         if decision.restart:
-            self._delay_s = decision.delay_s
-            log.info(f"restarting the worker group (restart {self.policy.restarts} of {self.policy.max_restarts})")
+            self._delay_s = decision.delay_s if path == "restart" else 0.0
+            what = "the failed rank(s) alone" if path == "in-process" else "the worker group"
+            log.info(f"restarting {what} (restart {self.policy.restarts} of {self.policy.max_restarts})")
         else:
             self._decision = decision
             self.agent.stop_restarts()
@@ -183,6 +239,8 @@ class Supervisor:
         o = self.opts
         warm = self.zygote is not None
         spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts, warm=warm)
+        if not self.inproc.enabled:  # (the rendezvous handler names its store for the ranks)
+            os.environ.pop(COORD_STORE_ENV, None)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
         self.ledger.event("start", nproc_per_node=o.nproc_per_node, nnodes=f"{o.min_nodes}:{o.max_nodes}",
                           max_restarts=self.policy.max_restarts, config=o.config_path, overrides=o.overrides,

@@ -34,7 +34,8 @@ class Hang:
                 f"after step {self.step}")
 
 
-SAVE_PHASES = ("save", "preempt")  # a rank writing a checkpoint
+# A rank writing a checkpoint, or recovering in process (waiting, bounded, for a replacement rank).
+SAVE_PHASES = ("save", "preempt", "recover")
 
 # Heartbeat phases that name where a rank was stuck; a storage that stops answering shows up in a save.
 PHASES = {"save": " while saving a checkpoint (is the checkpoint storage answering?)",
@@ -64,10 +65,11 @@ class Watchdog:
         """This attempt's heartbeat records by global rank."""
         return {r: b for r, b in read_heartbeats(self.directory).items() if b.get("attempt") == attempt}
 
-    def check(self, attempt: int, now: float | None = None) -> Hang | None:
-        """The most likely culprit when some armed rank has not finished a step within the timeout."""
+    def check(self, attempt: int, now: float | None = None, ignore: frozenset[int] = frozenset()) -> Hang | None:
+        """The most likely culprit when some armed rank has not finished a step within the timeout. `ignore`:
+        pids of ranks known dead and being replaced (their records stand until the replacement writes)."""
         now = time.time() if now is None else now
-        beats = self.beats(attempt)
+        beats = {r: b for r, b in self.beats(attempt).items() if b["pid"] not in ignore}
         armed = [b for b in beats.values() if b.get("t_first")]
         hangs = []
         if any(now - b["t"] > self._limit(b.get("phase", "train")) for b in armed):

@@ -1,19 +1,23 @@
-"""Warm restarts against cold ones: kill -> first resumed step, side by side in one run.
+"""Recovery from a SIGKILLed rank, three ways, side by side in one run: kill -> first resumed step.
 
-    python scripts/bench_restart.py [--kills 5] [--rounds 1] [--config configs/smoke.yaml] [key=value ...]
+    python scripts/bench_restart.py [--nproc 2,4,8] [--modes warm,inproc] [--kills 5] [--rounds 1]
+                                    [--config configs/smoke.yaml] [key=value ...]
 
-Each round trains the same run under the launcher twice, with `fault.warm_restarts=false` (cold: every
-restarted rank starts Python and imports torch) and `true` (warm: forked from the launcher's fork
-server, launch.zygote), the order alternating from round to round, with the memory tier on
-(`checkpoint.memory_every=1`: the state loads in about 0.1 s). In each run one rank (rank 1, then
-rank 0, in turn) is SIGKILLed `--kills` times, each time once every rank of the new group has trained
-a few steps. For each kill: kill -> the new group's first step done on every rank of this node (from
-the heartbeats), and the ledger's breakdown of it: detection (kill -> failure noticed), spawn (stop the
-group, rendezvous, start the processes), start-up (the trainer process up to its checkpoint load:
-imports when cold, then the process group, the data, the model), load, first step. Prints each mode's
-median and the warm / cold ratio; the goal is a warm median of at most 1 s on 2 CPU cores. Also the
-first start (launcher started -> first step) and the start-up of the stub interpreter alone. On a
-shared machine compare the two columns of one run, not numbers from different runs."""
+The modes: `cold` restarts every rank as a new Python process (`fault.warm_restarts=false`,
+`fault.in_process=false`); `warm` restarts every rank forked from the launcher's fork server
+(launch.zygote, `fault.in_process=false`); `inproc` replaces only the killed rank, forked warm, while the
+others keep their processes and re-form their groups (`fault.in_process=true`, trainer.recover). Each
+round runs every mode once per rank count, the order alternating from round to round, with the memory
+tier on (`checkpoint.memory_every=1`). In each run one rank (rank 1, 2, ... in turn) is SIGKILLed
+`--kills` times, each time once every rank has trained a few steps since the last recovery. For each
+kill: kill -> the first step after it done on every rank (from the heartbeats), and the ledger's split:
+detection (kill -> failure noticed); for restarts spawn (stop the group, rendezvous, start the
+processes) and start-up (process -> checkpoint load); for in-process recovery wait (the survivors
+waiting for the replacement) and re-form (the groups formed again); then load and first step.
+
+Prints each mode's median per rank count, inproc / warm, and how the in-process median grows with the
+ranks (the goals: at most 0.5 s at 2 ranks, and the largest rank count at most 1.25x the 2-rank
+median). On a shared machine compare the columns of one run, not numbers from different runs."""
 
 from __future__ import annotations
 
@@ -31,10 +35,16 @@ from launch.ledger import recovery_after
 from trainer.runtime.protocol import read_events, read_heartbeats
 
 REPO = Path(__file__).resolve().parents[1]
-GOAL_S = 1.0
+GOAL_2_RANKS_S = 0.5  # in-process median at 2 ranks
+GOAL_GROWTH = 1.25  # in-process median at the largest rank count / at 2 ranks
+MODES = {"cold": ["fault.warm_restarts=false", "fault.in_process=false"],
+         "warm": ["fault.warm_restarts=true", "fault.in_process=false"],
+         "inproc": ["fault.warm_restarts=true", "fault.in_process=true"]}
 PARTS = (("detection_s", "detection (kill -> failure noticed)"),
          ("spawn_s", "spawn (stop group, rendezvous, start processes)"),
          ("startup_s", "start-up (process -> checkpoint load)"),
+         ("wait_s", "wait (survivors wait for the replacement)"),
+         ("reform_s", "re-form (the groups formed again)"),
          ("load_s", "load (memory tier)"), ("first_step_s", "first step"))
 
 
@@ -43,26 +53,30 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", default="configs/smoke.yaml")
     p.add_argument("--kills", type=int, default=5, help="SIGKILLs per run")
     p.add_argument("--rounds", type=int, default=1, help="cold + warm pairs")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", default="2", help="rank counts, comma-separated (2,4,8)")
     p.add_argument("--steady", type=int, default=5, help="steps every rank of a new group trains before the next kill")
     p.add_argument("--timeout", type=float, default=180, help="the most any one wait may take (s)")
-    p.add_argument("--modes", default="cold,warm", help="which runs each round makes: cold, warm or both")
+    p.add_argument("--modes", default="warm,inproc", help="which runs each round makes: cold, warm, inproc")
     p.add_argument("--keep", default="", help="keep the runs' directories and logs here (default: a temporary one)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
-    return p.parse_args()
+    args = p.parse_args()
+    args.nprocs = [int(n) for n in args.nproc.split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if unknown := [m for m in args.modes if m not in MODES]:
+        p.error(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+    return args
 
 
 class Run:
     """One launcher run with kills."""
 
-    def __init__(self, args: argparse.Namespace, out: Path, warm: bool, label: str) -> None:
-        self.args, self.warm = args, warm
+    def __init__(self, args: argparse.Namespace, out: Path, mode: str, nproc: int, label: str) -> None:
+        self.args, self.mode, self.nproc = args, mode, nproc
         self.dir = out / label
         overrides = ["log.progress=false", "train.eval_every=0", "train.steps=1000000", "checkpoint.every=100000",
                      "checkpoint.memory_every=1", f"checkpoint.memory_dir={out / (label + '-shm')}",
-                     f"fault.max_restarts={args.kills + 5}", f"fault.warm_restarts={str(warm).lower()}",
-                     *args.overrides]
-        cmd = [sys.executable, "-m", "launch", f"--nproc-per-node={args.nproc}", str(REPO / args.config),
+                     f"fault.max_restarts={args.kills + 5}", *MODES[mode], *args.overrides]
+        cmd = [sys.executable, "-m", "launch", f"--nproc-per-node={nproc}", str(REPO / args.config),
                f"run.dir={self.dir}", *overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         self.log = out / f"{label}.log"
@@ -80,7 +94,7 @@ class Run:
         deadline = time.time() + self.args.timeout
         while time.time() < deadline:
             beats = self.beats()
-            if len(beats) == self.args.nproc and ready(beats):
+            if len(beats) == self.nproc and ready(beats):
                 return beats
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the launcher exited {self.proc.returncode} waiting for {what}: see {self.log}")
@@ -91,24 +105,24 @@ class Run:
         """(launcher start -> first step, one row per kill)."""
         beats = self.wait_for("first step", lambda b: all(x["t_first"] for x in b.values()))
         first_start = max(x["t_first"] for x in beats.values()) - self.started
-        rows, attempt = [], beats[0]["attempt"]
+        rows, era = [], era_of(beats[0])
         for i in range(self.args.kills):
             steady = self.args.steady
 
-            def training(b, attempt=attempt, steady=steady) -> bool:
-                return all(x["attempt"] == attempt and x["steps_run"] >= steady and x["phase"] == "train"
-                           for x in b.values())
+            def training(b, era=era, steady=steady) -> bool:  # steps since the recovery: the step counter
+                return all(era_of(x) == era and x["phase"] == "train" for x in b.values()) and \
+                    min(x["step"] for x in b.values()) >= max(x.get("resumed_step", 0) for x in b.values()) + steady
 
-            beats = self.wait_for(f"{steady} steps of attempt {attempt}", training)
-            rank = (i + 1) % self.args.nproc
+            beats = self.wait_for(f"{steady} steps of {era}", training)
+            rank = (i + 1) % self.nproc
             killed_at = time.time()
             os.kill(beats[rank]["pid"], signal.SIGKILL)
 
-            def resumed(b, attempt=attempt) -> bool:
-                return all(x["attempt"] > attempt and x["t_first"] for x in b.values())
+            def resumed(b, era=era) -> bool:
+                return all(era_of(x) > era and x["t_first"] for x in b.values())
 
             beats = self.wait_for("the first step after the kill", resumed)
-            attempt = beats[0]["attempt"]
+            era = min(era_of(x) for x in beats.values())
             rows.append({"rank": rank, "killed_at": killed_at,
                          "kill_to_step_s": max(x["t_first"] for x in beats.values()) - killed_at})
         return first_start, rows
@@ -132,20 +146,15 @@ class Run:
                 failure, resume = found
                 row = {**row, "detection_s": failure["time"] - row["killed_at"], "cause": failure["cause"],
                        "tier": resume["tier"], "lost_steps": resume["lost_steps"],
-                       **{k: resume[k] for k in ("spawn_s", "startup_s", "load_s", "first_step_s")}}
+                       "path": resume.get("path", "restart"),
+                       **{k: resume[k] for k, _ in PARTS if k in resume and k != "detection_s"}}
             out.append(row)
         return out
 
 
-def stub_startup_s(repeats: int = 5) -> float:
-    """Median wall time of the stub's interpreter with the stub's imports (`python -S`, stdlib only)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-S", "-c", "import ctypes, json, os, signal, socket, struct, sys"],
-                       check=True)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def era_of(beat: dict) -> tuple[int, int]:
+    """(restart attempt, in-process generation) of a heartbeat: it grows with every recovery."""
+    return beat["attempt"], beat.get("generation", 0)
 
 
 def median(rows: list[dict], key: str) -> float | None:
@@ -154,67 +163,65 @@ def median(rows: list[dict], key: str) -> float | None:
 
 
 def fmt(value: float | None) -> str:
-    return f"{value:8.2f}s" if value is not None else "       -"
+    return f"{value:7.3f}s" if value is not None else "       -"
 
 
 def main() -> int:
     args = parse_args()
-    cores = os.cpu_count()
     load = os.getloadavg()
-    print(f"[bench_restart] {args.nproc} ranks, {args.config}, checkpoint.memory_every=1, {args.kills} SIGKILLs "
-          f"per run, {args.rounds} round(s); {cores} CPU cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
-          flush=True)
-    results: dict[str, dict] = {"cold": {"rows": [], "first": []}, "warm": {"rows": [], "first": []}}
+    print(f"[bench_restart] {args.nprocs} ranks, modes {args.modes}, {args.config}, checkpoint.memory_every=1, "
+          f"{args.kills} SIGKILLs per run, {args.rounds} round(s); {os.cpu_count()} CPU cores, load average "
+          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
+    results: dict[tuple[str, int], list[dict]] = {(m, n): [] for m in args.modes for n in args.nprocs}
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         out = Path(args.keep or tmp)
         out.mkdir(parents=True, exist_ok=True)
         for r in range(args.rounds):
-            modes = [m for m in ("cold", "warm") if m in args.modes.split(",")]
-            for mode in (modes if r % 2 == 0 else modes[::-1]):
-                warm = mode == "warm"
-                run = Run(args, out, warm, f"{mode}-{r}")
-                try:
-                    first, rows = run.kill_loop()
-                finally:
-                    run.stop()
-                rows = run.breakdown(rows)
-                results[mode]["rows"] += rows
-                results[mode]["first"].append(first)
-                print(f"[bench_restart] round {r} {mode}: kill -> first resumed step "
-                      + ", ".join(f"{x['kill_to_step_s']:.2f}s" for x in rows)
-                      + f" | first start {first:.1f}s | launcher exit {run.proc.returncode}", flush=True)
-    stub = stub_startup_s()
-    cold, warm = results["cold"]["rows"], results["warm"]["rows"]
-    print("\n mode  rank  kill->step  " + "  ".join(f"{k[:-2]:>10}" for k, _ in PARTS) + "  lost")
-    for mode, rows in (("cold", cold), ("warm", warm)):
+            for nproc in args.nprocs:
+                for mode in (args.modes if r % 2 == 0 else args.modes[::-1]):
+                    run = Run(args, out, mode, nproc, f"{mode}-{nproc}-{r}")
+                    try:
+                        first, rows = run.kill_loop()
+                    finally:
+                        run.stop()
+                    rows = run.breakdown(rows)
+                    results[(mode, nproc)] += rows
+                    print(f"[bench_restart] round {r}, {nproc} ranks, {mode}: kill -> first resumed step "
+                          + ", ".join(f"{x['kill_to_step_s']:.2f}s" for x in rows)
+                          + f" | first start {first:.1f}s | launcher exit {run.proc.returncode}", flush=True)
+    print("\n  mode  ranks  rank  path        kill->step  " + "  ".join(f"{k[:-2][:9]:>10}" for k, _ in PARTS)
+          + "  lost")
+    for (mode, nproc), rows in results.items():
         for x in rows:
-            parts = "  ".join(f"{x[k]:9.2f}s" if k in x else f"{'-':>10}" for k, _ in PARTS)
-            print(f" {mode}  {x['rank']:>4}  {x['kill_to_step_s']:9.2f}s  {parts}  {x.get('lost_steps', '-'):>4}")
-    print(f"\nmedian over {len(cold)} cold and {len(warm)} warm restarts          cold      warm  warm/cold")
-
-    def line(label: str, a: float | None, b: float | None) -> None:
-        ratio = f"{b / a:9.2f}" if a and b is not None else "        -"
-        print(f"  {label:<48}{fmt(a)}{fmt(b)}  {ratio}")
-
-    line("kill -> first resumed step", median(cold, "kill_to_step_s"), median(warm, "kill_to_step_s"))
-    for key, label in PARTS:
-        line("  " + label, median(cold, key), median(warm, key))
-    line("min", min((x["kill_to_step_s"] for x in cold), default=None),
-         min((x["kill_to_step_s"] for x in warm), default=None))
-    line("max", max((x["kill_to_step_s"] for x in cold), default=None),
-         max((x["kill_to_step_s"] for x in warm), default=None))
-    line("first start (launcher -> first step)", statistics.median(results["cold"]["first"] or [0.0]) or None,
-         statistics.median(results["warm"]["first"] or [0.0]) or None)
-    lost = [x.get("lost_steps", 0) for x in warm]
-    tiers = sorted({x.get("tier", "?") for x in cold + warm})
-    print(f"  stub interpreter start-up (python -S, its stdlib imports): {stub:.3f}s")
-    print(f"  resumed from: {', '.join(tiers)}; steps lost per warm restart: {lost}")
+            parts = "  ".join(f"{x[k]:9.3f}s" if k in x else f"{'-':>10}" for k, _ in PARTS)
+            print(f"{mode:>6}  {nproc:>5}  {x['rank']:>4}  {x.get('path', '?'):<10}  {x['kill_to_step_s']:9.3f}s  "
+                  f"{parts}  {x.get('lost_steps', '-'):>4}")
+    print("\nmedian kill -> first resumed step (s)")
+    print("  ranks  " + "  ".join(f"{m:>8}" for m in args.modes)
+          + ("  inproc/warm" if {"inproc", "warm"} <= set(args.modes) else ""))
+    for nproc in args.nprocs:
+        medians = {m: median(results[(m, nproc)], "kill_to_step_s") for m in args.modes}
+        ratio = ""
+        if medians.get("inproc") is not None and medians.get("warm"):
+            ratio = f"  {medians['inproc'] / medians['warm']:11.2f}"
+        print(f"  {nproc:>5}  " + "  ".join(fmt(medians[m]) for m in args.modes) + ratio)
+    for mode in args.modes:
+        lost = [x.get("lost_steps", 0) for n in args.nprocs for x in results[(mode, n)]]
+        paths = sorted({x.get("path", "?") for n in args.nprocs for x in results[(mode, n)]})
+        print(f"  {mode}: paths taken {paths}; steps lost {lost}")
     load = os.getloadavg()
     print(f"  load average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    got = median(warm, "kill_to_step_s")
-    met = got is not None and got <= GOAL_S
-    print(f"goal: warm median kill -> first resumed step <= {GOAL_S:.1f}s on 2 CPU cores: "
-          f"{'met' if met else 'NOT met'} ({got:.2f}s)" if got is not None else "goal: no warm restart measured")
+    if "inproc" in args.modes:
+        at = {n: median(results[("inproc", n)], "kill_to_step_s") for n in args.nprocs}
+        if at.get(2) is not None:
+            met = at[2] <= GOAL_2_RANKS_S
+            print(f"goal: in-process median at 2 ranks <= {GOAL_2_RANKS_S:.2f}s: {'met' if met else 'NOT met'} "
+                  f"({at[2]:.3f}s)")
+            top = max(args.nprocs)
+            if top > 2 and at.get(top) is not None:
+                growth = at[top] / at[2]
+                print(f"goal: in-process median at {top} ranks <= {GOAL_GROWTH:.2f}x the 2-rank one: "
+                      f"{'met' if growth <= GOAL_GROWTH else 'NOT met'} ({growth:.2f}x)")
     return 0
 
 

@@ -104,12 +104,17 @@ class Nodes:
         return codes[0] or max(codes, key=abs)
 
 
-def steady_beats(nodes: Nodes, min_steps: int, old_pids: set[int]) -> dict[int, dict] | None:
-    """Every rank's heartbeat once each has run min_steps steps in a worker started after the last kill
-    (ranks are new processes after a restart; attempt numbers are per launcher)."""
+def incarnation(beat: dict) -> tuple[int, int]:
+    """(pid, generation of its groups): new after a restart (new processes) and after an in-process
+    recovery (the survivors keep their pids, in a new generation); attempt numbers are per launcher."""
+    return beat["pid"], beat.get("generation", 0)
+
+
+def steady_beats(nodes: Nodes, min_steps: int, old: set[tuple[int, int]]) -> dict[int, dict] | None:
+    """Every rank's heartbeat once each has run min_steps steps since it recovered from the last kill."""
     beats = nodes.beats()
     if len(beats) == nodes.args.nproc * nodes.args.nodes and \
-            all(b["pid"] not in old_pids and b["phase"] == "train" and b["steps_run"] >= min_steps
+            all(incarnation(b) not in old and b["phase"] == "train" and b["step"] - b["resumed_step"] >= min_steps
                 for b in beats.values()):
         return beats
     return None
@@ -171,15 +176,15 @@ def kill_plan(signals: list[str], kills: int, rng: random.Random) -> list[str]:
 def next_victim(nodes: Nodes, kills: list[dict], wait: float, deadline: float) -> dict[int, dict] | None:
     """Wait for a fresh attempt to train steadily, then `wait` seconds, then for a moment when every
     rank is training; the ranks' heartbeats then (None if the run ended first)."""
-    old_pids = kills[-1]["pids"] if kills else set()
-    while nodes.running() and time.time() < deadline and not steady_beats(nodes, 3, old_pids):
+    old = kills[-1]["incarnations"] if kills else set()
+    while nodes.running() and time.time() < deadline and not steady_beats(nodes, 3, old):
         time.sleep(0.1)  # steady state of a fresh attempt
     start = time.time()
     while nodes.running() and time.time() - start < wait:
         time.sleep(0.1)
     beats = None  # a rank may be between steps (checkpoint, eval): wait until every rank is training
     while nodes.running() and time.time() < deadline and not beats:
-        beats = steady_beats(nodes, 1, old_pids) or time.sleep(0.02)
+        beats = steady_beats(nodes, 1, old) or time.sleep(0.02)
     return beats if nodes.running() else None
 
 
@@ -204,7 +209,7 @@ def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: rand
             rank = rng.randrange(len(beats))
         beat = beats[rank]
         kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
-                      "pids": {b["pid"] for b in beats.values()}})
+                      "incarnations": {incarnation(b) for b in beats.values()}})
         if name != "NODE":
             os.kill(beat["pid"], SIGNALS[name])
             print(f"[chaos] SIG{name} -> rank {rank} (pid {beat['pid']}) at step {beat['step']}", flush=True)

@@ -26,12 +26,14 @@ from trainer.observability.cost import cost_report, format_cost
 from trainer.runtime.lease import JOB_ENV
 from trainer.runtime.process import die_with_parent, exit_now, is_alive, proc_stat
 from trainer.runtime.protocol import (
+    COORD_STORE_ENV,
     EXIT_CRASH_LOOP,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_STORAGE,
     EXIT_USAGE,
+    GENERATION_ENV,
     HEARTBEAT_DIR_ENV,
     LAUNCHER_PID_ENV,
     append_event,
@@ -61,8 +63,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV",
-    "JOB_ENV", "LAUNCHER_PID_ENV", "Config", "ConfigError", "append_event", "atomic_file", "cost_report",
-    "die_with_parent", "exit_now", "format_cost", "is_alive", "load", "logs", "proc_stat", "read_heartbeats",
-    "scratch_prefix", "sweep_scratch", "temp_name", "validate", *_LAZY,
+    "COORD_STORE_ENV", "GENERATION_ENV", "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED",
+    "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV", "JOB_ENV", "LAUNCHER_PID_ENV", "Config", "ConfigError",
+    "append_event", "atomic_file", "cost_report", "die_with_parent", "exit_now", "format_cost", "is_alive", "load",
+    "logs", "proc_stat", "read_heartbeats", "scratch_prefix", "sweep_scratch", "temp_name", "validate", *_LAZY,
 ]

@@ -6,12 +6,14 @@ are trainer.records."""
 
 from __future__ import annotations
 
+import os
 import time
 
-from trainer import storage
+from trainer import recover, storage
 from trainer.checkpoint import memory_auto
 from trainer.config import Config
 from trainer.distributed import parallel
+from trainer.distributed.regroup import Regroup
 from trainer.observability import logs
 from trainer.observability.cost import cost_report, format_cost
 from trainer.observability.metrics import BREAKDOWN, format_breakdown, with_other
@@ -34,23 +36,30 @@ def train(cfg: Config) -> dict:
     if cfg.dist.tune_malloc:
         host.tune_malloc()
     storage.bound_requests(cfg.storage.timeout_s)
-    info = parallel.init_distributed(cfg.dist)
+    regroup = in_process_recovery(cfg)
+    info = parallel.init_distributed(cfg.dist, regroup)
     logs.setup(rank=info.rank, verbose=info.is_main)
     heartbeat, preemption, run, meters = protocol.Heartbeat(info.rank), fault.PreemptionFlag(), None, None
     stalls = storage.StallWatch(cfg.storage.stall_s, fault.storage_stalled)
     leases: list[Lease] = []
+    joining = recover.joining_setup(regroup) if regroup is not None and regroup.generation else None
     try:
         with stalls.guard("taking the leases on run.dir and checkpoint.dir", cfg.checkpoint_dir):
-            leases = hold_directories(cfg, info)
-        run = build(cfg, info, heartbeat, preemption, stalls)
+            leases = hold_directories(cfg, info, alone=joining is not None)
+        run = build(cfg, info, heartbeat, preemption, stalls, regroup, joining)
         progress = resume(run)
         meters = start_meters(run, progress)
         while progress.state.step < cfg.train.steps:
-            step_start = time.perf_counter()
-            micros, data_wait = next_batch(run, progress)
-            result = train_step(run.model, run.optimizer, micros, cfg, info, meters.timer,
-                                fault.slowdown(progress.state.step + 1, info.rank))
-            after_step(run, meters, progress, result, step_start, data_wait)
+            try:
+                step_start = time.perf_counter()
+                micros, data_wait = next_batch(run, progress)
+                result = train_step(run.model, run.optimizer, micros, cfg, info, meters.timer,
+                                    fault.slowdown(progress.state.step + 1, info.rank))
+                after_step(run, meters, progress, result, step_start, data_wait)
+            except Exception as error:
+                if regroup is None or not recover.peer_lost(error):
+                    raise
+                progress, meters = recover.recover(run, meters, progress, error)
         return finish(run, meters, progress)
     finally:
         try:
@@ -62,6 +71,14 @@ def train(cfg: Config) -> dict:
             preemption.close()
             heartbeat.close()
             parallel.shutdown()
+
+
+def in_process_recovery(cfg: Config) -> Regroup | None:
+    """The handle on in-process recovery (trainer.recover) when the launcher offers it and fault.in_process
+    is on; None otherwise (a lost peer then ends this process, and the launcher restarts the group)."""
+    if not cfg.fault.in_process:
+        return None
+    return Regroup.from_env(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), cfg.dist.timeout_s)
 
 
 # ---------------------------------------------------------------------- the step and what follows it
@@ -135,7 +152,7 @@ def measure_memory_tier(run: Run, meters: Meters, step_s: float) -> None:
     if not measure.due():
         return
     memory.every, cost_s, step_s = measure.settle(run.info.world)
-    meters.memory_measure = None
+    meters.memory_measure, run.memory_auto = None, False
     log.info("memory tier: auto chose every %d step(s): a snapshot costs %.2f ms, a step takes %.1f ms (at most "
              "%.0f%% of the steps it covers)", memory.every, cost_s * 1e3, step_s * 1e3,
              memory_auto.COST_SHARE * 100)

@@ -5,6 +5,7 @@ timers, log window, straggler watch), started once the start step is known."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from trainer.checkpoint import memory as memory_tier
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.distributed import parallel
+from trainer.distributed.regroup import Regroup
 from trainer.evaluate import Evaluator
 from trainer.model.transformer import Transformer
 from trainer.observability import logs
@@ -57,6 +59,7 @@ class Run:
     flops_per_token: float
     peak_flops: float
     closed: bool = False  # `release` ran
+    regroup: Regroup | None = None  # in-process recovery (trainer.recover), when the launcher offers it
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,8 +96,11 @@ class Meters:
 
 # ---------------------------------------------------------------------- build
 def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
-          preemption: fault.PreemptionFlag, stalls: storage.StallWatch) -> Run:
-    """Data, model (sharded), optimizer, checkpointer and memory tier; says what was built."""
+          preemption: fault.PreemptionFlag, stalls: storage.StallWatch, regroup: Regroup | None = None,
+          joining: dict | None = None) -> Run:
+    """Data, model (sharded), optimizer, checkpointer and memory tier; says what was built. `joining`:
+    a replacement rank's settings from the survivors (trainer.recover.joining_setup), in place of the
+    start-up collectives they are no longer in."""
     validate(cfg, info.world)
     t = cfg.train
     micro_batch = micro_batch_size(cfg, info.world)
@@ -132,17 +138,19 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
              f"{peak / 1e9:,.0f}", peak_source)
 
     on_event = (lambda name, **fields: protocol.append_event(run_dir, name, **fields)) if info.is_main else None
-    checkpointer = Checkpointer(cfg.checkpoint_dir, info, cfg.checkpoint, on_event=on_event, stalls=stalls)
-    memory, measuring = start_memory_tier(cfg, info, model)
+    with regroup.tracking() if regroup is not None else contextlib.nullcontext():  # their groups' connections
+        checkpointer = Checkpointer(cfg.checkpoint_dir, info, cfg.checkpoint, on_event=on_event, stalls=stalls)
+        memory, measuring = start_memory_tier(cfg, info, model, joining)
     return Run(cfg, info, heartbeat, preemption, stalls, shards, loader, evaluator, model, optimizer, checkpointer,
-               memory, measuring, micro_batch, flops_per_token, peak)
+               memory, measuring, micro_batch, flops_per_token, peak, regroup=regroup)
 
 
-def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
+def hold_directories(cfg: Config, info: parallel.DistInfo, alone: bool = False) -> list[Lease]:
     """Rank 0 takes the leases on run.dir and the checkpoint directory for this job (trainer.runtime.lease);
     every rank raises the same error when it cannot: DirectoryInUse, naming the holder, when another live
-    job holds one; CheckpointStorageError when the storage cannot be reached."""
-    if not cfg.run.lease_s:
+    job holds one; CheckpointStorageError when the storage cannot be reached. `alone`: a replacement rank
+    (in-process recovery), whose peers took the leases at their start: no collective."""
+    if not cfg.run.lease_s or (alone and not info.is_main):
         return []
     leases, refused = [], None
     if info.is_main:
@@ -163,7 +171,8 @@ def hold_directories(cfg: Config, info: parallel.DistInfo) -> list[Lease]:
             refused = (type(e), str(e))
         except Exception as e:  # noqa: BLE001 - said on every rank below (no rank left waiting)
             refused = (CheckpointError, f"taking the lease on {cfg.checkpoint_dir}: {type(e).__name__}: {e}")
-    refused = parallel.broadcast_object(refused, info)  # (the error class travels by name, as pickle does)
+    if not alone:
+        refused = parallel.broadcast_object(refused, info)  # (the error class travels by name, as pickle does)
     if refused:
         release_leases(leases)
         error, message = refused
@@ -202,23 +211,26 @@ def open_dataset(cfg: Config, info: parallel.DistInfo, stalls: storage.StallWatc
     return shards
 
 
-def start_memory_tier(cfg: Config, info: parallel.DistInfo,
-                      model: torch.nn.Module) -> tuple[memory_tier.MemoryTier | None, bool]:
+def start_memory_tier(cfg: Config, info: parallel.DistInfo, model: torch.nn.Module,
+                      joining: dict | None = None) -> tuple[memory_tier.MemoryTier | None, bool]:
     """The memory tier per checkpoint.memory_every (`auto`: trainer.checkpoint.memory_auto), said in one
-    start-up line (collective: the run's record and the ranks' decisions); and whether `auto` still has to
-    time the first steps."""
+    start-up line (collective: the run's record and the ranks' decisions; a replacement rank takes them
+    from `joining`); and whether `auto` still has to time the first steps."""
     ck = cfg.checkpoint
-    if not ck.memory_every:
+    if not ck.memory_every or (joining is not None and not joining["run_id"]):
         return None, False
     directory = ck.memory_dir or memory_tier.default_dir()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
-    record = memory_tier.run_record(cfg.run.dir, info.is_main, info.world)
     identity = memory_tier.config_identity(cfg.to_dict())
-    several_nodes = info.world > local_world and ck.memory_replicas
-    every, why = memory_auto.choose(ck.memory_every, directory, memory_auto.snapshot_bytes(model),
-                                    memory_tier.SLOTS * (2 if several_nodes else 1), local_world,
-                                    memory_auto.kept_choice(record, identity))
-    every, why = memory_auto.agree(every, why, info.world)
+    if joining is not None:
+        record, (every, why) = {"run_id": joining["run_id"]}, (None if joining["measuring"] else joining["every"], "")
+    else:
+        record = memory_tier.run_record(cfg.run.dir, info.is_main, info.world)
+        several_nodes = info.world > local_world and ck.memory_replicas
+        every, why = memory_auto.choose(ck.memory_every, directory, memory_auto.snapshot_bytes(model),
+                                        memory_tier.SLOTS * (2 if several_nodes else 1), local_world,
+                                        memory_auto.kept_choice(record, identity))
+        every, why = memory_auto.agree(every, why, info.world)
     if every == 0:
         log.info("memory tier: off (checkpoint.memory_every=auto): %s", why)
         return None, False

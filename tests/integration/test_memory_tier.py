@@ -54,13 +54,16 @@ def test_sigkilled_ranks_resume_from_memory_each_time_and_match_an_uninterrupted
     """The real trainer process (its heartbeat pid) SIGKILLed three times, each rank at least once, 20 or
     more steps after each resume. With an eval every step, each first snapshot after a resume lists the
     tensors right after a forward without backward, which leaves FSDP2's root and last block unsharded:
-    listing them from the modules' attributes then failed (KeyError of a parameter's id) in every attempt."""
+    listing them from the modules' attributes then failed (KeyError of a parameter's id) in every attempt.
+    Under in-process recovery (the default) the survivor's first snapshot after a recovery finds its
+    listing cached and the replacement's does not: unless every snapshot reshards alike, the two ran
+    different all-gathers at the next forward and the replacement aborted."""
     shm = tmp_path / "shm"
     run_dir = tmp_path / "run"
     proc = launch(run_dir, [*BASE, "checkpoint.memory_every=1", f"checkpoint.memory_dir={shm}", "train.eval_every=1"])
     killed = []
-    for n, (rank, step) in enumerate(((1, 8), (0, 33), (1, 58))):
-        victim = wait_for_step(run_dir, step, rank=rank, attempt=n)
+    for rank, step in ((1, 8), (0, 33), (1, 55)):
+        victim = wait_for_step(run_dir, step, rank=rank)  # (reached only after the previous recovery)
         os.kill(victim["pid"], signal.SIGKILL)
         killed.append(victim["step"])
     out = finish(proc)

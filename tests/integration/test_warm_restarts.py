@@ -23,7 +23,8 @@ from trainer.runtime.process import is_alive
 from trainer.runtime.protocol import read_events
 
 STEPS = 30
-BASE = [f"train.steps={STEPS}", "checkpoint.every=50"]  # durable: only the final step
+# durable: only the final step; restarts of the whole group (in-process recovery: test_in_process.py)
+BASE = [f"train.steps={STEPS}", "checkpoint.every=50", "fault.in_process=false"]
 
 
 def cold_import_s() -> float:
@@ -177,7 +178,8 @@ def test_a_fork_server_that_dies_is_started_again(cache_dir, tmp_path):
 
 
 def test_with_warm_restarts_off_ranks_are_plain_trainer_processes(cache_dir, tmp_path):
-    proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10", "fault.warm_restarts=false"])
+    proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10", "fault.warm_restarts=false",
+                             "fault.in_process=false"])
     victim = wait_for_step(tmp_path, 10, rank=1)
     assert parent(victim["pid"]) == proc.pid and "-m trainer" in cmdline(victim["pid"])
     os.kill(victim["pid"], signal.SIGKILL)

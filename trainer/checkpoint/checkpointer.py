@@ -210,6 +210,19 @@ class Checkpointer:
                 self._pending.future.result()
             self._finish_pending()
 
+    def abandon(self, timeout_s: float = 30.0) -> None:
+        """In-process recovery: drop a background save of the failed generation without committing it
+        (local: its collectives fail fast once the groups' connections are shut; bounded)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.future.result(timeout=timeout_s)
+
+    def rebind_groups(self, mapping: dict) -> None:
+        """In-process recovery: the async stager's group, re-formed (trainer.distributed.regroup)."""
+        if self._stager is not None and self._stager.group is not None:
+            self._stager.group = mapping[self._stager.group]
+
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
         try:

@@ -115,7 +115,7 @@ def config_identity(config: dict) -> str:
     import hashlib
 
     rest = {**config, "checkpoint": {k: v for k, v in config.get("checkpoint", {}).items() if k != "memory_dir"},
-            "fault": {k: v for k, v in config.get("fault", {}).items() if k != "warm_restarts"}}
+            "fault": {k: v for k, v in config.get("fault", {}).items() if k not in ("warm_restarts", "in_process")}}
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
@@ -156,6 +156,11 @@ class MemoryTier:
         self.write_s = 0.0  # the last background write (and exchange) that finished
         self.skipped: list[str] = []  # why the last scan passed over parts on this node
         self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
+
+    def rebind_groups(self, mapping: dict) -> None:
+        """In-process recovery: the peer copies' group, re-formed (trainer.distributed.regroup)."""
+        if self._group is not None:
+            self._group = mapping[self._group]
 
     def _sweep(self, owner: dict) -> None:
         """Remove the snapshots that earlier runs of this run.dir left on this node (a run.dir made afresh

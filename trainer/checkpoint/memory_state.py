@@ -65,6 +65,20 @@ def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Reshard the FSDP2 modules a forward without backward (an eval) left unsharded, at every snapshot
+    on every rank. Listing the tensors (`local_tensors`, on a cache miss) reshards them through
+    `state_dict()`'s pre-save hook; whether a rank's cache misses depends on its history (a rank that
+    replaced a lost one in process has none), and a module left unsharded skips its all-gather at the next
+    forward: so ranks with different histories would run different collectives and deadlock. Done on every
+    snapshot, the next forward's collectives are the same on every rank (public API; no collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class PartLayout:
     """One rank's tensors as the bytes of its part: the layout on the training thread, the bytes to write
     on the writer's."""
@@ -80,6 +94,7 @@ class PartLayout:
         that a snapshot does not list the tensors anew. The cache holds the objects themselves, and its
         views hold the shards' memory, so neither an id nor an address can be reused by a replacement
         while it is kept (a load frees the optimizer's state: a key of ids matched the new objects)."""
+        reshard(model)
         objects, addresses = state_key(model, optimizer)
         if self._cache is not None:
             kept, kept_addresses, layout = self._cache

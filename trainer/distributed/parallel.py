@@ -16,13 +16,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from trainer.config import DistConfig
+
+if TYPE_CHECKING:
+    from trainer.distributed.regroup import Regroup
 
 
 @dataclass(frozen=True)
@@ -128,10 +131,12 @@ def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.01)
             time.sleep(poll_s)
 
 
-def init_distributed(cfg: DistConfig) -> DistInfo:
+def init_distributed(cfg: DistConfig, regroup: Regroup | None = None) -> DistInfo:
     """Join the process group torchrun describes in the environment, or form a group of one.
 
     backend=auto picks nccl when CUDA is available, else gloo. World size 1 works without torchrun.
+    With `regroup` (in-process recovery), the group's connections are tracked, and a replacement rank
+    joins the survivors' generation on the launcher's store instead of the attempt's own.
     """
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -149,8 +154,14 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
     timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, store=_group_store(rank, world, timeout), rank=rank, world_size=world,
-                                    timeout=timeout, device_id=device if backend == "nccl" else None)
+            if regroup is not None and regroup.generation > 0:
+                regroup.announce(regroup.generation, "replacement")
+                store = regroup.group_store()
+            else:
+                store = _group_store(rank, world, timeout)
+            with regroup.tracking() if regroup is not None else contextlib.nullcontext():
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                        device_id=device if backend == "nccl" else None)
         else:
             if world != 1:
                 raise RuntimeError("WORLD_SIZE > 1 but no MASTER_ADDR: launch several ranks with torchrun")

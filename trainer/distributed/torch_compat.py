@@ -9,6 +9,10 @@ What is private, and why there is no public way:
   CPU copy of a (sharded) state dict for async saves; DCP's own async staging uses them.
 - `checkpoint_wrapper` (torch.distributed.algorithms._checkpoint): activation checkpointing per block,
   as torchtitan applies it under FSDP2.
+- FSDP2's per-module state (`FSDPModule._get_fsdp_state`, its param group's mesh infos): the process
+  groups FSDP2 holds itself, and the gradients on its unsharded parameters: in-process recovery gives
+  it the re-formed groups (`rebind_fsdp_groups`) and drops what an interrupted backward left
+  (`drop_fsdp_unsharded_grads`).
 - torchelastic's agent methods (`ELASTIC_AGENT_METHODS`), overridden by launch/agent.py: the agent
   has no public hooks for start, stop, restart and monitoring.
 Public where this torch has it: FsspecReader/FsspecWriter (torch.distributed.checkpoint from 2.15,
@@ -78,3 +82,55 @@ def check_elastic_agent(agent: Any) -> None:
     missing = [name for name in ELASTIC_AGENT_METHODS + ELASTIC_AGENT_FIELDS if not hasattr(agent, name)]
     if missing:
         raise _missing(f"torchelastic's LocalElasticAgent.{', .'.join(missing)}")
+
+
+FSDP_GROUP_FIELDS = ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group")
+
+
+def _fsdp_param_groups(model: torch.nn.Module) -> list:
+    """FSDP2's param group of every FSDP module of `model` (private: `_get_fsdp_state`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            try:
+                group = module._get_fsdp_state()._fsdp_param_group
+            except AttributeError:
+                raise _missing("FSDPModule._get_fsdp_state()._fsdp_param_group") from None
+            if group is not None:
+                groups.append(group)
+    return groups
+
+
+def drop_fsdp_unsharded_grads(model: torch.nn.Module) -> None:
+    """Forget the gradients an interrupted backward left on FSDP2's unsharded parameters (reduced and
+    cleared only when a module's backward completes; `zero_grad` sees the sharded parameters only): the
+    next backward would add to them. Call after `reset_iter_state`."""
+    for group in _fsdp_param_groups(model):
+        for param in group.fsdp_params:
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            param.unsharded_accumulated_grad = None
+
+
+def rebind_fsdp_groups(model: torch.nn.Module, mapping: dict) -> int:
+    """Give every FSDP2 module of `model` the new process group for each old one in `mapping` (FSDP2
+    keeps the groups it took from the DeviceMesh at `fully_shard`); returns the fields rebound."""
+    rebound = 0
+    for group in _fsdp_param_groups(model):
+        infos = {id(i): i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None}
+        for param in group.fsdp_params:
+            infos.update({id(i): i for i in (param.mesh_info, param.post_forward_mesh_info) if i is not None})
+        for info in infos.values():
+            for name in FSDP_GROUP_FIELDS:
+                old = getattr(info, name, None)
+                if old is not None and old in mapping:
+                    setattr(info, name, mapping[old])
+                    rebound += 1
+            registry = getattr(info.mesh, "_pg_registry", None)  # what compiled code resolves names with
+            if registry is not None:
+                for key, old in list(registry.items()):
+                    registry[key] = mapping.get(old, old)
+    return rebound

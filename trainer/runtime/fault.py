@@ -115,6 +115,12 @@ class PreemptionFlag:
         """Whether this rank itself got SIGTERM (the others learn it through `agreed`)."""
         return self._set.is_set()
 
+    def restart_agreement(self) -> None:
+        """Start agreeing afresh, as a new rank does (in-process recovery: the all-reduce in flight was on
+        the failed generation's group, and a replacement rank knows no agreed check steps). A SIGTERM
+        already received stays set."""
+        self._pending, self._every, self._next, self._checked, self._step_s = None, 0, 0, None, 0.0
+
     def checks_at(self, step: int) -> bool:
         """Whether `agreed()` starts an all-reduce at this step boundary (the same on every rank)."""
         return step >= self._next

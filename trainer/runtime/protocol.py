@@ -25,6 +25,8 @@ from trainer.runtime.process import process_start_time
 # --- environment variables set by the launcher for its ranks (and by tests for fault injection)
 HEARTBEAT_DIR_ENV = "REKINDLE_HEARTBEAT_DIR"  # where each rank rewrites its heartbeat record
 LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"  # ranks die with this process (PR_SET_PDEATHSIG)
+COORD_STORE_ENV = "REKINDLE_COORD_STORE"  # host:port of the launcher's store (in-process recovery: trainer.recover)
+GENERATION_ENV = "REKINDLE_GENERATION"  # a replacement rank joins this generation of the groups (absent: 0)
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchelastic's: the worker group's attempt number
 FAIL_AT_ENV = "REKINDLE_FAIL_AT"  # "step[:rank]": raise at that step (every attempt): a deterministic crash
 HANG_AT_ENV = "REKINDLE_HANG_AT"  # "step[:rank]": spin forever at that step (first attempt only)
@@ -84,6 +86,7 @@ class Heartbeat:
         self._size = HEARTBEAT_BYTES  # the file's length (records are padded to it with spaces)
         self.record: dict[str, Any] = {
             "pid": os.getpid(), "rank": rank, "attempt": attempt(),
+            "generation": int(os.environ.get(GENERATION_ENV, 0)),  # of the groups (in-process recovery)
             "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
             "t_loaded": 0.0, "t_first": 0.0, "resumed_step": 0, "busy_s": 0.0, "steps_run": 0,
         }

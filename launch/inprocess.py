@@ -1,0 +1,86 @@
+"""In-process recovery, the launcher's side (fault.in_process; the ranks' side is trainer.recover).
+
+When ranks of a running group fail, the agent (launch.agent) asks before torchelastic stops the group.
+This module answers: start only the failed ranks again, in the next generation (the survivors keep
+their processes and re-form the groups with them), or let the whole group restart, and why:
+- a second failure while a recovery is still under way (a survivor that could not re-form or restore
+  exits, and so does a replacement that failed): the whole group restarts;
+- a preemption, a storage fault or bad input: the restart policy's usual path;
+- one node alone whose every rank failed: nobody is left to recover with.
+It keeps the pending recovery until every rank of this node has finished a step in the new generation,
+then gives the ledger its `resume` event with the split."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from launch.failures import Failure
+from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV
+
+
+@dataclass
+class Pending:
+    """A recovery under way: generation, when its failure was noticed, the ranks replaced, the survivors
+    on this node (local rank -> pid)."""
+
+    generation: int
+    noticed: float
+    replaced: list[int]
+    kept: dict[int, int] = field(default_factory=dict)
+    cause: str = ""
+    dead_pids: frozenset[int] = frozenset()  # the failed ranks' trainer pids (their heartbeats are stale)
+
+
+@dataclass
+class InProcessRecovery:
+    enabled: bool
+    single_node: bool
+    generation: int = 0  # the newest generation this node's ranks were asked to join
+    pending: Pending | None = None
+    hang: Failure | None = None  # a hung rank this launcher killed, to be replaced as its failure
+    hang_killed_at: float = 0.0
+
+    def reset(self) -> None:
+        """A full restart: the new group starts at generation 0."""
+        self.generation, self.pending, self.hang = 0, None, None
+
+    def offer(self, exits: dict, beats: dict[int, dict], failure: Failure,
+              running: dict[int, int]) -> tuple[dict[str, str] | None, str]:
+        """(environment for the replacements, '') to recover in process; (None, why not) otherwise (why
+        is '' when the usual path is simply the right one)."""
+        if not self.enabled:
+            return None, ""
+        if self.pending is not None:
+            return None, (f"a second failure (rank {failure.rank}) during the in-process recovery of generation "
+                          f"{self.pending.generation}")
+        if failure.exit_code in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_STORAGE) or failure.cause in ("preemption",
+                                                                                                "storage"):
+            return None, ""
+        failed_local = {e.local_rank for e in exits.values()}
+        kept = {lr: pid for lr, pid in running.items() if lr not in failed_local}
+        if self.single_node and not kept:
+            return None, "every rank failed: nobody is left to recover with"
+        self.generation = max([self.generation, *(b.get("generation", 0) for b in beats.values())]) + 1
+        dead = frozenset(beats[r]["pid"] for r in exits if r in beats)
+        self.pending = Pending(self.generation, time.time(), sorted(exits), kept, failure.cause, dead)
+        return {GENERATION_ENV: str(self.generation)}, ""
+
+    def dead_pids(self) -> frozenset[int]:
+        """Pids the watchdog must not judge: the failed ranks of the recovery under way."""
+        return self.pending.dead_pids if self.pending is not None else frozenset()
+
+    def current(self, beats: dict[int, dict]) -> dict[int, dict]:
+        """The beats of the current generation (older ones are of ranks not yet re-formed)."""
+        return {r: b for r, b in beats.items() if b.get("generation", 0) >= self.generation}
+
+    def settle(self, beats: dict[int, dict]) -> Pending | None:
+        """The pending recovery once every rank of this node has finished a step in its generation."""
+        p = self.pending
+        if p is None:
+            return None
+        ready = [b for b in beats.values() if b.get("generation", 0) >= p.generation and b.get("t_first")]
+        if len(ready) < len(beats) or not beats:
+            return None
+        self.pending = None
+        return p

@@ -1,0 +1,120 @@
+"""In-process recovery (fault.in_process, trainer.recover, launch.inprocess) under real faults, 4 gloo
+ranks under `python -m launch`: a SIGKILLed rank, then a SIGSTOPped one (killed by the watchdog), are
+each replaced alone while the other ranks keep their processes, and the run stays bit-identical to an
+uninterrupted one; a second failure during a recovery falls back to a full restart, recorded with its
+reason. The real trainer processes (their heartbeat pids) get the signals; every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_launch_faults import finish, launch, wait_for_step
+from tests.integration.test_memory_tier import assert_same_run
+from trainer.runtime.protocol import read_events, read_heartbeats
+
+RANKS = 4
+STEPS = 40
+BASE = [f"train.steps={STEPS}", "checkpoint.every=100", "checkpoint.memory_every=1"]
+
+
+def start(run_dir: Path, tmp_path: Path, extra: list[str] = ()):
+    return launch(run_dir, [*BASE, f"checkpoint.memory_dir={tmp_path / 'shm'}", *extra], nproc=RANKS)
+
+
+def pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the trainer process, from the heartbeats."""
+    directory = next(run_dir.glob("heartbeats-*"))
+    return {rank: beat["pid"] for rank, beat in read_heartbeats(directory).items()}
+
+
+def wait_for_event(run_dir: Path, name: str, timeout: float = 60, count: int = 1) -> dict:
+    """The `count`-th `name` event of the ledger (bounded wait)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [e for e in read_events(run_dir) if e["event"] == name]
+        if len(found) >= count:
+            return found[count - 1]
+        time.sleep(0.01)
+    raise AssertionError(f"no {count} {name} event(s) within {timeout:.0f}s")
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == name]
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory) -> Path:
+    """An uninterrupted 4-rank run."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    out = finish(start(run_dir, run_dir))
+    assert "done: 0 restart(s)" in out, out[-3000:]
+    return run_dir
+
+
+def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_others_keep_their_processes(
+        reference, tmp_path):
+    """Rank 1 SIGKILLed at step 8, then rank 2 SIGSTOPped (a hang: the watchdog SIGKILLs it alone) 12 or
+    more steps after that recovery: each time only the failed rank gets a new process; ranks 0 and 3
+    keep theirs throughout; nothing is lost and the run is bit-identical to an uninterrupted one."""
+    hang_timeout = 3.0
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, tmp_path, [f"fault.hang_timeout_s={hang_timeout}"])
+    victim = wait_for_step(run_dir, 8, rank=1)
+    before = pids(run_dir)
+    os.kill(victim["pid"], signal.SIGKILL)
+    hung = wait_for_step(run_dir, 20, rank=2)  # reached only after the recovery
+    middle = pids(run_dir)
+    stopped_at = time.time()
+    os.kill(hung["pid"], signal.SIGSTOP)
+    wait_for_event(run_dir, "in_process_done", timeout=60, count=2)
+    after = pids(run_dir)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+
+    assert middle[1] != before[1] and {r: middle[r] for r in (0, 2, 3)} == {r: before[r] for r in (0, 2, 3)}, \
+        (before, middle)
+    assert after[2] != middle[2] and {r: after[r] for r in (0, 1, 3)} == {r: middle[r] for r in (0, 1, 3)}, \
+        (middle, after)
+    kill, hang = events(run_dir, "failure")
+    assert (kill["rank"], kill["signal"], kill["path"]) == (1, "SIGKILL", "in-process"), kill
+    assert (hang["rank"], hang["cause"], hang["path"]) == (2, "hang", "in-process"), hang
+    assert "stopped" in hang["message"], hang
+    assert hang["time"] - stopped_at <= hang_timeout + 3.0, hang
+    resumes = events(run_dir, "resume")
+    assert [(r["path"], r["replaced"], r["lost_steps"], r["tier"]) for r in resumes] == \
+        [("in-process", [1], 0, "memory-local"), ("in-process", [2], 0, "memory-local")], resumes
+    for resume in resumes:
+        parts = [resume[k] for k in ("leave_s", "wait_s", "reform_s", "restore_s", "first_step_s")]
+        assert all(p >= 0 for p in parts) and sum(parts) <= resume["recovery_s"] + 0.01, resume
+    kept = [sorted(e["kept_pids"]) for e in events(run_dir, "in_process_done")]
+    assert kept == [sorted(before[r] for r in (0, 2, 3)), sorted(middle[r] for r in (0, 1, 3))], kept
+    assert "restarting the failed rank(s) alone" in out and "restarting the worker group" not in out
+    assert_same_run(run_dir, reference)
+
+
+def test_a_second_failure_during_the_recovery_falls_back_to_a_full_restart(reference, tmp_path):
+    """Rank 2 is SIGKILLed as soon as the launcher has noticed rank 1's death, while the survivors wait
+    for rank 1's replacement: the launcher gives up the in-process path, says why in the ledger, and
+    restarts the whole group, still losing nothing."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, tmp_path)
+    victim = wait_for_step(run_dir, 10, rank=1)
+    second = pids(run_dir)[2]
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for_event(run_dir, "failure")
+    os.kill(second, signal.SIGKILL)
+    fallback = wait_for_event(run_dir, "in_process_fallback")
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert fallback["rank"] == 2 and "second failure" in fallback["why"], fallback
+    paths = [(f["rank"], f["path"]) for f in events(run_dir, "failure")]
+    assert paths == [(1, "in-process"), (2, "restart")], paths
+    (resume,) = events(run_dir, "resume")
+    assert resume["path"] == "restart" and resume["lost_steps"] <= 1, resume
+    assert "restarting the whole worker group" in out
+    assert_same_run(run_dir, reference)

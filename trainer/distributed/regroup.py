@@ -1,0 +1,178 @@
+"""In-process recovery's process groups: leave the groups of a failed generation, and form every one of
+them again for the next generation under the same names.
+
+Why this shape:
+- Re-forming destroys every group and forms it again: the default group as `init_process_group` forms
+  it, the others with `new_group`, in their first creation order, on a fresh store prefix per
+  generation. torch resets its group counter when the default group is destroyed (for exactly this
+  case), so each group gets its old name back: DeviceMesh and DTensor's collectives, which find groups
+  by name, follow at once; the few objects that hold a group itself are given the new one
+  (`trainer.recover.rebind`, with FSDP2's in `trainer.distributed.torch_compat`). Registering a fresh
+  backend on the old `ProcessGroup` objects does not work: torch keeps a group's first backend of a
+  type (re-registration is a no-op on 2.13), so collectives would still run on the dead connections.
+- Leaving: NCCL backends abort (`Backend.abort`, public). Gloo cannot abort a collective that is
+  blocked in a read (its `abort` and `shutdown` return and the read stays blocked, measured on torch
+  2.13), and a survivor blocked on another survivor never hears from the dead rank. So a rank leaves by
+  shutting down its own gloo connections (the TCP sockets this module saw the groups open): its peers'
+  reads fail at once, they leave in turn, and the failure reaches every rank in a few milliseconds.
+- The store is the launcher's (the rendezvous store, `COORD_STORE_ENV`): it outlives any rank, rank
+  0 included. Keys live under `rekindle/inproc/<rendezvous run id>/<attempt>/<generation>/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.runtime.protocol import COORD_STORE_ENV, GENERATION_ENV
+
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+class RejoinFailed(RuntimeError):
+    """The ranks did not all come back within the bound: the launcher falls back to a full restart."""
+
+
+def _open_sockets() -> dict[str, int]:
+    """inode -> one fd of each open socket of this process."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.setdefault(target, int(fd))
+    return found
+
+
+@dataclass
+class Regroup:
+    """One rank's handle on in-process recovery (None of it applies at world size 1)."""
+
+    store: dist.Store  # the launcher's store, under this job's attempt prefix
+    rank: int
+    world: int
+    generation: int = 0
+    timeout_s: float = 60.0
+    skip_ports: set[int] = field(default_factory=set)  # store connections are not the groups'
+    _sockets: set[str] = field(default_factory=set)  # the current generation's group connections
+
+    @classmethod
+    def from_env(cls, rank: int, world: int, timeout_s: float) -> Regroup | None:
+        """The handle when the launcher offers in-process recovery (None otherwise)."""
+        where = os.environ.get(COORD_STORE_ENV, "")
+        if not where or world < 2:
+            return None
+        host, _, port = where.rpartition(":")
+        client = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s))
+        prefix = f"rekindle/inproc/{os.environ.get(RUN_ID_ENV, '')}/{os.environ.get(RESTART_COUNT_ENV, '0')}"
+        skip = {int(port), int(os.environ.get("MASTER_PORT", "0") or 0)}
+        return cls(dist.PrefixStore(prefix, client), rank, world, int(os.environ.get(GENERATION_ENV, "0")),
+                   timeout_s, skip)
+
+    # ------------------------------------------------------------------ the groups' connections
+    @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Count the TCP connections opened meanwhile as the groups' (wrap group creation in it)."""
+        before = set(_open_sockets())
+        try:
+            yield
+        finally:
+            self._sockets |= set(_open_sockets()) - before
+
+    def group_store(self, generation: int | None = None) -> dist.Store:
+        """The store the groups of `generation` (default: the current one) form on."""
+        return dist.PrefixStore(f"g{self.generation if generation is None else generation}", self.store)
+
+    def leave(self) -> int:
+        """Stop this rank's part in the current generation: abort NCCL backends, shut down the gloo
+        connections (a blocked peer's read fails at once). Returns the connections shut down."""
+        for pg in _groups():
+            if pg.size() > 1:
+                backend = pg._get_backend(torch.device("cuda")) if torch.cuda.is_available() else None
+                if backend is not None:
+                    backend.abort()
+        cut = 0
+        for inode, fd in _open_sockets().items():
+            if inode not in self._sockets:
+                continue
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) \
+                        and _port(sock.getpeername()) not in self.skip_ports \
+                        and _port(sock.getsockname()) not in self.skip_ports:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+            except OSError:
+                pass  # already closed by the peer's end
+            finally:
+                sock.close()
+        self._sockets.clear()
+        return cut
+
+    # ------------------------------------------------------------------ the next generation
+    def announce(self, generation: int, who: str) -> None:
+        """Say that this rank is on its way to `generation` (`who`: survivor | replacement)."""
+        self.store.set(f"g{generation}/arrived/{self.rank}", json.dumps({"who": who, "pid": os.getpid(),
+                                                                          "t": time.time()}))
+
+    def wait_for_all(self, generation: int) -> dict[int, dict]:
+        """Every rank's arrival record for `generation`; RejoinFailed after `timeout_s`."""
+        keys = [f"g{generation}/arrived/{r}" for r in range(self.world)]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise RejoinFailed(f"in-process recovery: rank(s) {missing} did not come back within "
+                                   f"{self.timeout_s:.0f}s")
+            time.sleep(0.002)
+        return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
+
+    def reform(self, generation: int) -> dict[dist.ProcessGroup, dist.ProcessGroup]:
+        """Destroy this process's groups and form them again for `generation` on `group_store(generation)`:
+        the default group as `init_process_group` forms it, then every other group with `new_group`, in
+        the order they were first made (a replacement rank, started afresh, makes them in that order
+        too). Destroying every group resets torch's group counter, so each group gets its old name back
+        and anything that finds groups by name (DeviceMesh, DTensor's collectives) finds the new one.
+        Returns old group -> new group, for the objects that hold a group (`trainer.recover` rebinds them)."""
+        self.generation = generation
+        timeout = timedelta(seconds=self.timeout_s)
+        old = [(pg, pg.group_name, dist.get_process_group_ranks(pg), str(dist.get_backend(pg))) for pg in _groups()]
+        dist.destroy_process_group()
+        with self.tracking():
+            nccl = old[0][3] == "nccl"
+            dist.init_process_group(old[0][3], store=self.group_store(generation), rank=self.rank,
+                                    world_size=self.world, timeout=timeout,
+                                    device_id=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
+            mapping = {old[0][0]: dist.group.WORLD}
+            for pg, _, ranks, backend in old[1:]:
+                mapping[pg] = dist.new_group(ranks, backend=backend, timeout=timeout)
+        renamed = [(name, new.group_name) for (pg, name, _, _), new in zip(old, mapping.values(), strict=True)
+                   if new.group_name != name]
+        if renamed:
+            raise RejoinFailed(f"in-process recovery: re-formed groups got other names than before: {renamed}")
+        return mapping
+
+
+def _port(address) -> int:
+    return address[1] if isinstance(address, tuple) and len(address) > 1 else -1
+
+
+def _groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process in creation order (the default one first): the order every
+    rank forms them in (a backend's creation waits for its peers' addresses)."""
+    return list(dist.distributed_c10d._world.pg_names)

@@ -1,0 +1,141 @@
+"""In-process recovery (fault.in_process, under `python -m launch`): when a peer rank is lost, this
+rank keeps its process, its model, optimizer, data loader and compiled code. It leaves the failed
+generation's process groups, waits (bounded) for the launcher's replacement of the lost rank, re-forms
+the groups (trainer.distributed.regroup), restores the newest memory snapshot every rank has (at
+most the step in flight is redone), and goes on.
+
+A replacement rank starts as any rank does (`trainer.loop.train`), but joins the generation the
+launcher names, and takes the run's settings from the survivors (`joining_setup`) instead of the
+start-up collectives they are no longer in. Anything that goes wrong here ends the process: the
+launcher then falls back to a full restart, and its ledger says why."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from trainer.checkpoint import CheckpointError
+from trainer.distributed import torch_compat
+from trainer.distributed.regroup import Regroup
+from trainer.observability import logs
+from trainer.resume import resume, start_meters
+from trainer.run import Meters, Progress, Run
+
+log = logs.get_logger()
+
+# What a collective raises when a peer is gone (gloo; NCCL after an abort): the trigger for recovery.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+             "DistBackendError", "NCCL communicator was aborted", "ncclRemoteError", "ProcessGroup",
+             "Read error", "Write error", "connection closed", "Connection refused")
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` (raised by a collective, possibly wrapped) says a peer rank is gone."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = f"{type(error).__name__}: {error}"
+        if any(pattern in text for pattern in PEER_LOST):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def recover(run: Run, meters: Meters, progress: Progress, error: BaseException) -> tuple[Progress, Meters]:
+    """Survive a lost peer in place; returns the restored progress and fresh meters. Raises (ending the
+    process, so that the launcher restarts the group) when it cannot."""
+    regroup: Regroup = run.regroup
+    t_error = time.time()
+    generation = regroup.generation + 1
+    first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    log.warning("a peer rank was lost (%s): recovering in process, generation %d", first_line, generation)
+    run.heartbeat.beat("recover", t_error=t_error)
+    cut = regroup.leave()
+    forget_the_step(run)
+    abandon_background_work(run)
+    close_meters(meters)
+    run.preemption.restart_agreement()
+    t_left = time.time()
+    regroup.announce(generation, "survivor")
+    publish_setup(run, regroup, generation)
+    arrived = regroup.wait_for_all(generation)
+    t_joined = time.time()
+    rebind(run, regroup.reform(generation))
+    t_reformed = time.time()
+    run.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0, generation=generation)
+    progress = resume(run)
+    t_restored = time.time()
+    meters = start_meters(run, progress)
+    replaced = sorted(r for r, a in arrived.items() if a["who"] == "replacement")
+    run.heartbeat.beat(None, in_process=True, generation=generation, t_error=t_error, t_left=t_left,
+                       t_joined=t_joined, t_reformed=t_reformed, t_restored=t_restored, kept_pid=True,
+                       replaced=replaced)
+    log.info("in-process recovery: generation %d with rank(s) %s replaced; resumed at step %d (%s): left the "
+             "groups in %.3fs (%d connection(s) shut), waited %.3fs for the ranks, re-formed in %.3fs, restored "
+             "in %.3fs", generation, replaced, progress.state.step, progress.resumed_tier, t_left - t_error, cut,
+             t_joined - t_left, t_reformed - t_joined, t_restored - t_reformed)
+    return progress, meters
+
+
+def forget_the_step(run: Run) -> None:
+    """Drop what the interrupted step left: FSDP2's per-iteration state (modules left unsharded, a
+    prefetch or reduce-scatter in flight: the next step would skip or add collectives the replacement
+    rank runs, and the ranks would deadlock), and the step's partial gradients."""
+    reset = getattr(run.model, "reset_iter_state", None)  # public since torch 2.13
+    if reset is None:
+        raise torch_compat.TorchVersionError("in-process recovery needs FSDPModule.reset_iter_state "
+                                             "(torch 2.13 or newer)")
+    reset()
+    torch_compat.drop_fsdp_unsharded_grads(run.model)
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def rebind(run: Run, mapping: dict) -> None:
+    """Hand the re-formed groups to what holds a group itself: FSDP2, the async stager, the memory tier."""
+    torch_compat.rebind_fsdp_groups(run.model, mapping)
+    run.checkpointer.rebind_groups(mapping)
+    if run.memory is not None:
+        run.memory.rebind_groups(mapping)
+
+
+def abandon_background_work(run: Run) -> None:
+    """The failed generation's background saves: a snapshot in flight finishes or fails (its peer copy
+    fails fast, the connections being shut); an async checkpoint is dropped uncommitted."""
+    if run.memory is not None:
+        run.memory.wait()
+    run.checkpointer.abandon()
+
+
+def close_meters(meters: Meters) -> None:
+    """Close the instruments of the failed generation (they are started afresh at the restored step)."""
+    for close in (lambda: meters.metrics.close(False), meters.comm and meters.comm.close):
+        if close:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - the recovery matters more than a last record
+                log.warning("while recovering: %s: %s", type(e).__name__, e)
+
+
+SETUP_KEY = "g{generation}/setup"
+
+
+def publish_setup(run: Run, regroup: Regroup, generation: int) -> None:
+    """What a replacement needs from the start-up collectives it missed: the memory tier's run id and
+    interval. Every survivor writes the same value; the replacement reads it (`joining_setup`)."""
+    memory = run.memory
+    setup = {"run_id": memory.run if memory is not None else None,
+             "every": memory.every if memory is not None else 0,
+             "measuring": run.memory_auto}
+    regroup.store.set(SETUP_KEY.format(generation=generation), json.dumps(setup))
+
+
+def joining_setup(regroup: Regroup) -> dict:
+    """The survivors' `publish_setup` for the generation this replacement joins (bounded wait)."""
+    key = SETUP_KEY.format(generation=regroup.generation)
+    deadline = time.monotonic() + regroup.timeout_s
+    while not regroup.store.check([key]):
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"in-process recovery: no survivor published the run's setup within "
+                                  f"{regroup.timeout_s:.0f}s")
+        time.sleep(0.002)
+    return json.loads(regroup.store.get(key))
