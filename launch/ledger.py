@@ -82,7 +82,6 @@ class Ledger:
         }
         if a.path == "in-process" and beat.get("t_left"):  # a survivor's account of its recovery
             resume.update(
-                detect_s=round(beat["t_error"] - since, 3),  # failure -> the first to notice (rank or launcher)
                 leave_s=round(beat["t_left"] - beat["t_error"], 3),  # out of the collective, groups left
                 wait_s=round(beat["t_joined"] - beat["t_left"], 3),  # until every rank (the replacement) arrived
                 reform_s=round(beat["t_reformed"] - beat["t_joined"], 3),  # the groups formed again

@@ -5,7 +5,7 @@
 
 This script owns the projection only: it reads the launcher's ledgers (`events.jsonl`, launch/ledger.py),
 takes the median of each measured recovery component over their `resume` events (a missing `path` reads
-as "restart"; `path: "in-process"` events give detect/leave/reform/restore/first step), falls back to
+as "restart"; `path: "in-process"` events give leave, wait + re-form, restore and first step), falls back to
 built-in values for every component no file measured (the output says which), and projects three
 strategies: durable (every rank restarts and loads the durable checkpoint, losing half a checkpoint
 interval), memory (every rank restarts, state from the memory tier) and in-process (only the failed
@@ -31,7 +31,8 @@ Assumptions (each a field of `Assumptions` and a CLI option; the measured parts 
   GPUs a bottleneck; summaries of it quote ~265 s at 96k, not checked). ncclCommInitRankScalable (NCCL
   2.23) lowers it (--nccl-*); ncclCommShrink/grow would let in-process skip most (--reform-comm-fraction).
 - redone work: half a checkpoint interval (durable); (median lost steps + half a step) x step_s
-  (memory tier, in-process). Detection: the in-process events' detect_s, for every strategy.
+  (memory tier, in-process). Detection (failure -> noticed): built in, for every strategy (a ledger
+  cannot see the moment of a kill; scripts/chaos.py and bench_restart.py measure it from outside).
 - durable load: bandwidth-bound, state per GPU (Llama 3 sec. 3.3.1: 1 MB-4 GB per GPU) over the
   smaller of a per-GPU client link and the storage's aggregate (Tectonic: 2 TB/s sustained, ibid.).
 - restarts wait for the slowest of the nodes' process starts: start * (1 + cv * sqrt(2 ln nodes)),
@@ -98,7 +99,7 @@ class Assumptions:
 class Measured:
     """Recovery components in seconds (lost_* in steps), measured on a small run; taken as scale-free.
     Built-in values: docs/performance.md's chaos run (2026-12-05, 2 CPU cores, memory tier, warm
-    restarts) and its durable resume; the in-process ones are placeholders until a run measures them."""
+    restarts) and its durable resume; the in-process ones: bench_restart.py at 2 ranks (2026-12-05)."""
 
     detect_s: float = 0.1
     spawn_s: float = 0.06
@@ -107,10 +108,10 @@ class Measured:
     load_durable_s: float = 0.15
     first_step_s: float = 0.12
     lost_steps_memory: float = 0.0
-    leave_s: float = 0.05
-    reform_s: float = 0.35  # placeholder: the replacement rank's warm start (0.31 s) and a barrier
-    restore_s: float = 0.09
-    inproc_first_step_s: float = 0.12
+    leave_s: float = 0.001
+    reform_s: float = 0.235  # the survivors' wait for the replacement's warm start, and re-forming the groups
+    restore_s: float = 0.087
+    inproc_first_step_s: float = 0.236
     lost_steps_inprocess: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)  # field -> "median of k"; absent: built-in
     runs: list[str] = field(default_factory=list)
@@ -160,10 +161,11 @@ def measure(paths: list[Path]) -> Measured:
         m.runs.append(summary)
         for r in resumes:
             if r.get("path", "restart") == "in-process":
-                for key, name in (("detect_s", "detect_s"), ("leave_s", "leave_s"), ("reform_s", "reform_s"),
-                                  ("restore_s", "restore_s"), ("first_step_s", "inproc_first_step_s"),
-                                  ("lost_steps", "lost_steps_inprocess")):
+                for key, name in (("leave_s", "leave_s"), ("restore_s", "restore_s"),
+                                  ("first_step_s", "inproc_first_step_s"), ("lost_steps", "lost_steps_inprocess")):
                     add(name, r.get(key))
+                if isinstance(r.get("wait_s"), (int, float)) and isinstance(r.get("reform_s"), (int, float)):
+                    add("reform_s", r["wait_s"] + r["reform_s"])  # the replacement's start, then the groups
                 continue
             for key in ("spawn_s", "startup_s", "first_step_s"):
                 add(key, r.get(key))

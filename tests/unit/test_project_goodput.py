@@ -47,12 +47,13 @@ def test_resume_events_become_medians_and_a_missing_path_reads_as_restart(tmp_pa
     restart = [dict(base, tier="memory-local", spawn_s=s, startup_s=1.0, load_s=0.5, first_step_s=0.2, lost_steps=0)
                for s in (10.0, 20.0, 30.0)]
     restart[0]["path"] = "restart"  # the other two have no path: restarts too
-    inproc = [dict(base, path="in-process", detect_s=0.3, leave_s=0.1, reform_s=r, restore_s=0.05, first_step_s=0.2,
-                   lost_steps=0) for r in (1.0, 3.0)]
+    inproc = [dict(base, path="in-process", leave_s=0.1, wait_s=w, reform_s=0.01, restore_s=0.05, first_step_s=0.2,
+                   lost_steps=0) for w in (0.99, 2.99)]
     lines = [json.dumps(e) for e in [{"event": "failure", "time": 0.5}, *restart, *inproc]]
     (tmp_path / "events.jsonl").write_text("\n".join(lines) + '\n{"event": "resu')  # a torn last line
     m = pg.measure([tmp_path])  # a run directory works as well as its events.jsonl
-    assert (m.spawn_s, m.load_memory_s, m.reform_s, m.detect_s) == (20.0, 0.5, 2.0, 0.3)
+    assert (m.spawn_s, m.load_memory_s, m.detect_s) == (20.0, 0.5, pg.Measured().detect_s)  # detection: built in
+    assert m.reform_s == pytest.approx(2.0)  # the wait for the replacement and the re-forming, together
     assert m.sources["spawn_s"] == "median of 3" and m.sources["reform_s"] == "median of 2"
     assert "load_durable_s" not in m.sources  # no durable resume: the built-in value stays
     slower = pg.recovery(m, pg.Assumptions(), 1024)["memory"][0]
