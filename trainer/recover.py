@@ -20,6 +20,7 @@ from trainer.distributed.regroup import Regroup
 from trainer.observability import logs
 from trainer.resume import resume, start_meters
 from trainer.run import Meters, Progress, Run
+from trainer.runtime import fault, protocol
 
 log = logs.get_logger()
 
@@ -49,6 +50,8 @@ def recover(run: Run, meters: Meters, progress: Progress, error: BaseException) 
     generation = regroup.generation + 1
     first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     log.warning("a peer rank was lost (%s): recovering in process, generation %d", first_line, generation)
+    # The old generation's times go at once: a record read mid-recovery must not pass for a resumed one.
+    run.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0)
     run.heartbeat.beat("recover", t_error=t_error)
     cut = regroup.leave()
     forget_the_step(run)
@@ -58,11 +61,15 @@ def recover(run: Run, meters: Meters, progress: Progress, error: BaseException) 
     t_left = time.time()
     regroup.announce(generation, "survivor")
     publish_setup(run, regroup, generation)
-    arrived = regroup.wait_for_all(generation)
+    arrived = regroup.wait_for_all(generation, stop=lambda: run.preemption.received)
+    if arrived is None:  # SIGTERM: no group to agree on an emergency checkpoint with
+        fault.stop_now(f"SIGTERM during the in-process recovery of generation {generation}: no emergency "
+                       f"checkpoint (the groups are not formed); the newest memory snapshot stays for the "
+                       f"next launch", protocol.EXIT_PREEMPTED)
     t_joined = time.time()
     rebind(run, regroup.reform(generation))
     t_reformed = time.time()
-    run.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0, generation=generation)
+    run.heartbeat.record.update(generation=generation)
     progress = resume(run)
     t_restored = time.time()
     meters = start_meters(run, progress)

@@ -2,7 +2,8 @@
 ranks under `python -m launch`: a SIGKILLed rank, then a SIGSTOPped one (killed by the watchdog), are
 each replaced alone while the other ranks keep their processes, and the run stays bit-identical to an
 uninterrupted one; a second failure during a recovery falls back to a full restart, recorded with its
-reason. The real trainer processes (their heartbeat pids) get the signals; every wait is bounded."""
+reason; a SIGTERM during a recovery (2 ranks) exits 75 at once and loses nothing. The real trainer
+processes (their heartbeat pids) get the signals; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from tests.integration.test_launch_faults import finish, launch, wait_for_step
 from tests.integration.test_memory_tier import assert_same_run
+from tests.integration.test_warm_restarts import processes_of
 from trainer.runtime.protocol import read_events, read_heartbeats
 
 RANKS = 4
@@ -118,3 +120,26 @@ def test_a_second_failure_during_the_recovery_falls_back_to_a_full_restart(refer
     assert resume["path"] == "restart" and resume["lost_steps"] <= 1, resume
     assert "restarting the whole worker group" in out
     assert_same_run(run_dir, reference)
+
+
+def test_sigterm_during_a_recovery_exits_75_at_once_and_the_next_launch_resumes_from_memory(cache_dir, tmp_path):
+    """SIGTERM to the launcher right after a rank's death is noticed: whether it lands while the survivor
+    waits for the replacement (no group to commit an emergency checkpoint with: it exits 75 at once) or
+    just after, the launcher exits 75 within seconds, and the next launch resumes from the memory snapshot."""
+    run_dir = tmp_path / "run"
+    overrides = ["train.steps=40", "checkpoint.every=100", "checkpoint.memory_every=1",
+                 f"checkpoint.memory_dir={tmp_path / 'shm'}", "fault.preempt_grace_s=30"]
+    proc = launch(run_dir, overrides)
+    victim = wait_for_step(run_dir, 10, rank=1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for_event(run_dir, "failure")
+    signalled = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 75 and time.time() - signalled < 10, out[-4000:]
+    assert not processes_of(run_dir), "processes outlived the launcher"
+    again = launch(run_dir, overrides)
+    out = finish(again)
+    assert again.returncode == 0, out[-4000:]
+    resumed = int(out.split("resumed from step ")[1].split()[0])
+    assert resumed >= 9 and "memory snapshot" in out.split("resumed from step ")[1].splitlines()[0], out[-3000:]

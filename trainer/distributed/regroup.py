@@ -25,7 +25,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -130,11 +130,14 @@ class Regroup:
         self.store.set(f"g{generation}/arrived/{self.rank}", json.dumps({"who": who, "pid": os.getpid(),
                                                                           "t": time.time()}))
 
-    def wait_for_all(self, generation: int) -> dict[int, dict]:
-        """Every rank's arrival record for `generation`; RejoinFailed after `timeout_s`."""
+    def wait_for_all(self, generation: int, stop: Callable[[], bool] = lambda: False) -> dict[int, dict] | None:
+        """Every rank's arrival record for `generation`; None as soon as `stop()` (a SIGTERM); RejoinFailed
+        after `timeout_s`."""
         keys = [f"g{generation}/arrived/{r}" for r in range(self.world)]
         deadline = time.monotonic() + self.timeout_s
         while not self.store.check(keys):
+            if stop():
+                return None
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise RejoinFailed(f"in-process recovery: rank(s) {missing} did not come back within "
