@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from launch.failures import Failure
 from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV
 
+# A recovery takes about half a second here (a few on a slow machine, or with a cold replacement); one
+# not finished by then is stuck somewhere no bound of its own catches: the whole group restarts.
+RECOVERY_BOUND_S = 20.0
+
 
 @dataclass
 class Pending:
@@ -69,6 +73,14 @@ class InProcessRecovery:
     def dead_pids(self) -> frozenset[int]:
         """Pids the watchdog must not judge: the failed ranks of the recovery under way."""
         return self.pending.dead_pids if self.pending is not None else frozenset()
+
+    def overdue(self, now: float) -> Pending | None:
+        """The pending recovery once it has taken longer than RECOVERY_BOUND_S (it is dropped)."""
+        p = self.pending
+        if p is None or now - p.noticed <= RECOVERY_BOUND_S:
+            return None
+        self.pending = None
+        return p
 
     def current(self, beats: dict[int, dict]) -> dict[int, dict]:
         """The beats of the current generation (older ones are of ranks not yet re-formed)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from launch import failures, rendezvous
 from launch.agent import GroupStatus, SupervisedAgent
 from launch.failures import Failure
-from launch.inprocess import InProcessRecovery
+from launch.inprocess import RECOVERY_BOUND_S, InProcessRecovery
 from launch.ledger import Ledger, format_summary
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
@@ -171,6 +171,14 @@ class Supervisor:
                 self._on_failure(*failures.from_exits(status.exits, set(status.victims), beats, self._last_step()))
             self._recorded = False
         elif status.state == "healthy":
+            if stuck := self.inproc.overdue(now):
+                why = f"the in-process recovery of generation {stuck.generation} did not finish within " \
+                      f"{RECOVERY_BOUND_S:.0f}s"
+                log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
+                self.ledger.event("in_process_fallback", why=why, rank=stuck.replaced[0])
+                self._on_failure(Failure(stuck.replaced[0], "hang", self._last_step() + 1, message=why,
+                                         key="in-process recovery overdue"), "")
+                return True
             if self.inproc.hang is not None and now - self.inproc.hang_killed_at < HANG_EXIT_WAIT_S:
                 return False  # the hung rank was SIGKILLed alone: its exit is on its way to the agent
             hang = self.watchdog.check(self.attempt, now, ignore=self.inproc.dead_pids())
