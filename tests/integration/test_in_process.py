@@ -127,7 +127,7 @@ def test_sigterm_during_a_recovery_exits_75_at_once_and_the_next_launch_resumes_
     waits for the replacement (no group to commit an emergency checkpoint with: it exits 75 at once) or
     just after, the launcher exits 75 within seconds, and the next launch resumes from the memory snapshot."""
     run_dir = tmp_path / "run"
-    overrides = ["train.steps=40", "checkpoint.every=100", "checkpoint.memory_every=1",
+    overrides = ["train.steps=20", "checkpoint.every=100", "checkpoint.memory_every=1",
                  f"checkpoint.memory_dir={tmp_path / 'shm'}", "fault.preempt_grace_s=30"]
     proc = launch(run_dir, overrides)
     victim = wait_for_step(run_dir, 10, rank=1)
