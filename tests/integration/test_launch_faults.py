@@ -44,15 +44,17 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> str:
     return out
 
 
-def wait_for_step(run_dir: Path, step: int, timeout: float = 90, rank: int = 0, attempt: int | None = None) -> dict:
-    """The heartbeat record of `rank` once it has finished `step` (bounded wait), in `attempt` if given."""
+def wait_for_step(run_dir: Path, step: int, timeout: float = 90, rank: int = 0, attempt: int | None = None,
+                  phases: tuple[str, ...] = ("train",), poll_s: float = 0.05) -> dict:
+    """The heartbeat record of `rank` once it has finished `step` (bounded wait), in `attempt` if given,
+    in one of `phases` (an eval every step leaves a rank in `train` only briefly)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for directory in run_dir.glob("heartbeats-*"):
             beat = read_heartbeats(directory).get(rank)
-            if beat and beat["step"] >= step and beat["phase"] == "train" and attempt in (None, beat["attempt"]):
+            if beat and beat["step"] >= step and beat["phase"] in phases and attempt in (None, beat["attempt"]):
                 return beat
-        time.sleep(0.05)
+        time.sleep(poll_s)
     raise AssertionError(f"rank {rank} did not reach step {step} within {timeout}s")
 
 
