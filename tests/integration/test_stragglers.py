@@ -27,8 +27,13 @@ def train_two_ranks(run_dir, env: dict[str, str]) -> subprocess.CompletedProcess
 def test_a_slowed_rank_is_reported_once_as_a_straggler_and_once_recovered(cache_dir, tmp_path):
     # Rank 1 sleeps 0.1 s in each of steps 3-16 (a smoke step takes a few tens of ms; the first one, with
     # its start-up, far longer on every rank): the windows ending at steps 4-16 are slow.
-    proc = train_two_ranks(tmp_path, {SLOW_RANK_ENV: "1:0.1@3-16"})
-    events = [e for e in read_events(tmp_path) if e["event"] == "straggler"]
+    # Two tries: on a machine busy with other tests, the fast rank's own work was once 1.5x the other's too.
+    for attempt in range(2):
+        run_dir = tmp_path / f"try-{attempt}"
+        proc = train_two_ranks(run_dir, {SLOW_RANK_ENV: "1:0.1@3-16"})
+        events = [e for e in read_events(run_dir) if e["event"] == "straggler"]
+        if [(e["rank"], e["status"]) for e in events] == [(1, "slow"), (1, "recovered")]:
+            break
     assert [(e["rank"], e["status"]) for e in events] == [(1, "slow"), (1, "recovered")], events
     slow, recovered = events[0]["step"], events[1]["step"]
     assert 4 <= slow <= 16 < recovered, events  # within the slow steps; after them (the machine may be busy)
@@ -36,13 +41,13 @@ def test_a_slowed_rank_is_reported_once_as_a_straggler_and_once_recovered(cache_
     assert events[0]["factor"] == 1.5 and events[0]["period_s"] >= 0.3
     assert "rank 1 is a straggler" in proc.stdout and "rank 1 is no longer a straggler" in proc.stdout
 
-    metrics = read_metrics(tmp_path)
+    metrics = read_metrics(run_dir)
     assert all(len(r["straggler_score"]) == len(r["rank_work_s"]) == 2 for r in metrics.values())
     assert all(metrics[s]["straggler_score"][1] >= 1.5 > metrics[s]["straggler_score"][0] for s in range(4, 17, 2))
     assert [s for s, r in sorted(metrics.items()) if r["stragglers"] == [1]] == list(range(slow, recovered, 2))
 
     out = tmp_path / "plot.png"
-    plotted = subprocess.run([sys.executable, "-m", "trainer.plot", str(tmp_path), "-o", str(out)], cwd=REPO,
+    plotted = subprocess.run([sys.executable, "-m", "trainer.plot", str(run_dir), "-o", str(out)], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0 and out.stat().st_size > 10_000, plotted.stderr[-2000:]
 
