@@ -33,10 +33,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.runtime.protocol import COORD_STORE_ENV, GENERATION_ENV
+from trainer.runtime.protocol import COORD_STORE_ENV, GENERATION_ENV, attempt
 
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 class RejoinFailed(RuntimeError):
@@ -76,7 +75,7 @@ class Regroup:
             return None
         host, _, port = where.rpartition(":")
         client = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s))
-        prefix = f"rekindle/inproc/{os.environ.get(RUN_ID_ENV, '')}/{os.environ.get(RESTART_COUNT_ENV, '0')}"
+        prefix = f"rekindle/inproc/{os.environ.get(RUN_ID_ENV, '')}/{attempt()}"
         skip = {int(port), int(os.environ.get("MASTER_PORT", "0") or 0)}
         return cls(dist.PrefixStore(prefix, client), rank, world, int(os.environ.get(GENERATION_ENV, "0")),
                    timeout_s, skip)
