@@ -74,7 +74,7 @@ class Ledger:
         lost = max(previous - a.resumed_step, 0)
         resume = {
             "step": a.resumed_step, "lost_steps": lost, "reason": a.reason, "path": a.path,
-            "tier": beat.get("resumed_tier", "durable"),  # memory-local | memory-peer | durable | none
+            "tier": beat.get("resumed_tier", "durable"),  # memory-local | memory-peer | memory-reshard | durable | none
             "tier_why": beat.get("tier_why", ""),
             "recovery_s": round(beat["t_first"] - since, 3), "restart_s": round(beat["t_load"] - since, 3),
             "load_s": round(beat["t_loaded"] - beat["t_load"], 3),

@@ -12,7 +12,7 @@ one lost). The reference run is one launcher with the same world size. At the en
 per-step losses and final parameters compared bit for bit with the reference run (CPU, same world
 size), each recovery split into detection (kill -> failure noticed), restart (kill the group,
 rendezvous, spawn, import, build), checkpoint load and first step, the tier the state came from
-(memory-local, memory-peer, durable) and the lost steps, and the run's goodput."""
+(memory-local, memory-peer, memory-reshard, durable) and the lost steps, and the run's goodput."""
 
 from __future__ import annotations
 

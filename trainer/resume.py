@@ -35,9 +35,12 @@ def resume(run: Run) -> Progress:
         latest = run.checkpointer.discover_latest() if mode != "never" else None
         parts = run.memory.scan() if run.memory is not None and mode != "never" else {}
         in_memory, givers = run.memory.plan(parts) if run.memory is not None and mode != "never" else (None, {})
-        why = tier_choice(run, in_memory, latest)
+        other = run.memory.plan_reshard() if run.memory is not None and mode != "never" and in_memory is None else None
+        why = tier_choice(run, in_memory, latest, other)
         if in_memory is not None and (latest is None or in_memory > latest):
             load_snapshot(run, progress, in_memory, givers, parts, durable=latest)
+        elif other is not None and (latest is None or other[1] > latest):
+            load_resharded(run, progress, *other, durable=latest)
         elif latest is None and mode == "required":
             raise CheckpointError(f"checkpoint.resume=required but no usable committed checkpoint in {root}")
         elif latest is not None:
@@ -77,9 +80,9 @@ def start_meters(run: Run, progress: Progress) -> Meters:
                   records, measure)
 
 
-def tier_choice(run: Run, in_memory: int | None, durable: int | None) -> str:
+def tier_choice(run: Run, in_memory: int | None, durable: int | None, other: tuple[int, int] | None = None) -> str:
     """Why the state comes from the tier it comes from (for the log and the ledger's resume event); ''
-    with the memory tier off."""
+    with the memory tier off. `other`: (world, step) of a snapshot of another world size to reshard."""
     newest = "none" if durable is None else f"step {durable}"
     if run.memory is None:
         return ""
@@ -87,6 +90,11 @@ def tier_choice(run: Run, in_memory: int | None, durable: int | None) -> str:
         return f"memory snapshot of step {in_memory} is newer than the newest durable checkpoint ({newest})"
     if in_memory is not None:
         return f"the newest snapshot every rank has (step {in_memory}) is not newer than the durable {newest}"
+    if other is not None:
+        world, step = other
+        newer = "newer" if durable is None or step > durable else "not newer"
+        return f"the {world}-rank memory snapshot of step {step}, resharded, is {newer} than the newest durable " \
+               f"checkpoint ({newest})"
     seen = f" (on rank {run.info.rank}'s node: {run.memory.skipped[0]})" if run.memory.skipped else ""
     return f"no memory snapshot that every rank has{seen}"
 
@@ -115,6 +123,19 @@ def adopt_config(run: Run, state: TrainState) -> None:
     """The loaded train state takes this run's config, model arguments and config hash."""
     cfg = run.cfg
     state.config, state.model, state.config_sha256 = cfg.to_dict(), asdict(cfg.model), cfg.sha256()
+
+
+def load_resharded(run: Run, progress: Progress, world: int, step: int, durable: int | None) -> None:
+    """Restore this rank's rows of the `world`-rank memory snapshot `step` (same run and config, another
+    world size: every part of it on this rank's node), as a durable checkpoint of another world reshards."""
+    state = run.memory.load_resharded(world, step, run.model, run.optimizer)
+    progress.state, progress.resumed_tier = state, "memory-reshard"
+    progress.restored_records = [RecordDraft.from_json(d) for d in run.memory.restored_extra.get("records", [])]
+    adopt_config(run, state)
+    run.loader.load_state_dict(state.data or {})
+    log.info("resumed from step %d (memory snapshot of %d rank(s) in %s, resharded to %d; newest durable "
+             "checkpoint: %s)", state.step, world, run.memory.dir, run.info.world,
+             "none" if durable is None else f"step {durable}")
 
 
 def load_snapshot(run: Run, progress: Progress, step: int, givers: dict[int, int], parts: dict,

@@ -71,7 +71,7 @@ class Progress:
     """What changes step by step: the train state (what a checkpoint keeps) and this attempt's account."""
 
     state: TrainState
-    resumed_tier: str = "none"  # where the start state came from: memory-local | memory-peer | durable | none
+    resumed_tier: str = "none"  # memory-local | memory-peer | memory-reshard | durable | none
     restored_records: list[RecordDraft] = field(default_factory=list)  # unwritten at the memory snapshot
     start_step: int = 0
     started: float = 0.0

@@ -9,6 +9,7 @@ import ipaddress
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch
 from tests.helpers import KNOWN_PEAK, REPO, SMOKE, SOLO, child_env, free_port, read_metrics, smoke_model
 from trainer.checkpoint import Checkpointer
 from trainer.runtime.protocol import read_events, read_heartbeats
+from trainer.testing import kill_tree
 
 FAST = ["log.progress=false", "train.log_every=1", "train.eval_every=0", "fault.heartbeat_s=0.2",
         "fault.restart_backoff_s=0.2", KNOWN_PEAK]
@@ -228,21 +230,31 @@ def test_a_second_job_on_the_same_run_dir_is_refused(cache_dir, tmp_path):
 
 
 def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir, tmp_path):
-    """--nnodes 1:2: SIGKILL the second launcher (its rank dies with it); the first resumes alone
-    from the 2-rank checkpoint (resharded) with the same global batch."""
+    """--nnodes 1:2, each node with its own memory directory: SIGKILL the second launcher (its rank dies
+    with it) and delete its memory (a lost node). The first resumes alone, with the same global batch, from
+    the 2-rank memory snapshot resharded from its own part and its peer copy of the lost one (a step or
+    two back; no durable checkpoint but the last)."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
-    overrides = ["train.steps=60", "checkpoint.every=10"]
-    host = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    memory = {node: tmp_path / f"shm-{node}" for node in "ab"}
+
+    def node(name: str) -> subprocess.Popen:
+        return launch(tmp_path, ["train.steps=60", "checkpoint.every=100", "checkpoint.memory_every=1",
+                                 f"checkpoint.memory_dir={memory[name]}"], nproc=1, extra_args=args)
+
+    host = node("a")
     time.sleep(1.0)  # the first launcher hosts the rendezvous store
-    guest = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    guest = node("b")
     wait_for_step(tmp_path, 15)
-    os.killpg(guest.pid, signal.SIGKILL)
+    kill_tree(guest.pid)  # the launcher, its fork server and its rank: none writes into memory["b"] after
     guest.wait(timeout=30)
+    shutil.rmtree(memory["b"])
     out = finish(host)
     assert host.returncode == 0, out[-4000:]
     assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
-    assert "saved by 2 rank(s)" in out
+    resume = next(e for e in read_events(tmp_path) if e["event"] == "resume")
+    assert resume["tier"] == "memory-reshard" and resume["lost_steps"] <= 2 and resume["step"] >= 14, resume
+    assert "memory snapshot of 2 rank(s)" in out and "resharded to 1" in out, out[-3000:]
     assert read_metrics(tmp_path)[60]["step"] == 60
 
 

@@ -194,16 +194,43 @@ def test_bad_snapshots_are_never_loaded_and_the_log_says_why(reference, tmp_path
     assert "written with another config" in out and "resumed from step 15 (" in out, out[-3000:]
     assert "memory tier not used: no memory snapshot that every rank has" in out, out[-3000:]
 
-    # Another world size: the 2-rank snapshots (steps 18-20) are passed over, the durable step 20 loaded.
+    # Another world size: the 2-rank snapshots (steps 18-20) could be resharded, but the durable step 20
+    # is as new: it is loaded.
     out = train(run_dir, [*opts, "train.lr=0.002"], fail_at=22, nproc=1)
-    assert "memory tier not used: no memory snapshot that every rank has (on rank 0's node: world 2, this " \
-           "run's is 1)" in out and "resumed from step 20 (" in out, out[-3000:]
+    assert "memory tier not used: the 2-rank memory snapshot of step 20, resharded, is not newer than the " \
+           "newest durable checkpoint (step 20)" in out and "resumed from step 20 (" in out, out[-3000:]
 
     # Another run under the same run.dir name (made afresh): its snapshots are not this run's.
     (run_dir / "memory-tier.json").unlink()
     out = train(run_dir, [*opts, "train.lr=0.002", "train.steps=24"])
     assert "removed the memory snapshots of an earlier run" in out and "resumed from step 20 (" in out, out[-3000:]
     assert not any(shm.iterdir()), "the run's snapshots outlived it"
+
+
+def test_a_smaller_world_resumes_from_the_memory_snapshot_resharded_as_from_the_durable_one(cache_dir, tmp_path):
+    """2 ranks stop before step 13: the durable checkpoint of step 12 and the snapshots of steps 10-12
+    (both parts on this node). 1 rank then resumes twice: in a copy of the run, from the durable checkpoint
+    (DCP reshards it); in the run, with that checkpoint deleted, from the memory snapshot resharded from
+    the two parts. The two are the same run: losses and final parameters bit-identical."""
+    shm, run_dir = tmp_path / "shm", tmp_path / "run"
+    opts = ["train.steps=16", "checkpoint.every=12", f"checkpoint.memory_dir={shm}"]
+    train(run_dir, [*opts, "checkpoint.memory_every=1"], fail_at=13)
+    assert sorted(snapshot_steps(shm, 1)) == [10, 11, 12]
+    shutil.copytree(run_dir, tmp_path / "copy")
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000012")
+
+    memory = train(run_dir, [*opts, "checkpoint.memory_every=1"], nproc=1)
+    assert "resumed from step 12 (memory snapshot of 2 rank(s)" in memory and "resharded to 1" in memory, \
+        memory[-3000:]
+    assert not any(shm.rglob("*.bin")), "the 2-rank parts outlived the run"
+    durable = train(tmp_path / "copy", [*opts, "checkpoint.memory_every=0"], nproc=1)
+    assert "resumed from step 12 (" in durable and "saved by 2 rank(s)" in durable, durable[-3000:]
+    mine, theirs = read_metrics(run_dir), read_metrics(tmp_path / "copy")
+    assert [mine[s]["loss"] for s in range(13, 17)] == [theirs[s]["loss"] for s in range(13, 17)]
+    a, b = load_final(run_dir), load_final(tmp_path / "copy")
+    assert a["step"] == b["step"] == 16
+    for name in b:
+        assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])), name
 
 
 def test_memory_every_auto_chooses_an_interval_or_says_why_it_is_off_and_0_is_off(cache_dir, tmp_path):

@@ -110,8 +110,9 @@ def test_another_run_config_or_world_size_is_never_loaded(tmp_path, caplog):
     memory.close()
     assert steps(tier(tmp_path, config="cfg-2")) == []
     assert "written with another config" in caplog.text
-    assert steps(tier(tmp_path, world=2)) == []
-    assert "world 1, this run's is 2" in caplog.text
+    two = tier(tmp_path, world=2)
+    assert steps(two) == [] and "world 1, this run's is 2" in two.skipped
+    assert list(two.elsewhere) == [(1, 3)]  # kept apart, for a reshard
     # A new run id of the same run.dir: the earlier run's snapshots are removed, not loaded.
     other = tier(tmp_path, run="run-b")
     assert steps(other) == [] and not (tmp_path / "shm" / "run-a").exists()

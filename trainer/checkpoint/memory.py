@@ -35,11 +35,15 @@ config and world size; the .bin's size and checksum), on its own node or as a pe
 it at restore (`plan`, one all_gather); nothing is collective while training but the peer copies. Each
 rank loads its own part from its node's memory when it is there (memory-local), else the rank holding it
 sends it (memory-peer: a lost node, or ranks that moved between nodes). Parts of two steps are never
-mixed: every rank loads the same step. Another run (a new run id, kept in run.dir) or another config
-never loads them; the run's directory is removed when the run ends.
+mixed: every rank loads the same step. A world of another size (a lost node under `--nnodes MIN:MAX`,
+another `--nproc-per-node`) loads the newest step of which every rank's node holds every part, each rank
+reading its rows of each tensor (memory-reshard; trainer.checkpoint.memory_reshard). Another run (a new
+run id, kept in run.dir) or another config never loads them; the run's directory is removed when the run
+ends.
 
 This module is the tier (MemoryTier) and the run's identity; the files on a node are memory_slots,
-what a part holds of the state and its restore memory_state, what crosses ranks memory_peers.
+what a part holds of the state and its restore memory_state, what crosses ranks memory_peers, the restore
+in another world memory_reshard.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import storage
-from trainer.checkpoint import memory_peers, memory_slots
+from trainer.checkpoint import memory_peers, memory_reshard, memory_slots
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.commit import TrainState
 from trainer.checkpoint.memory_slots import SLOTS, VERSION, Found
@@ -155,6 +159,7 @@ class MemoryTier:
         self.call_s = 0.0  # the last snapshot() on the training thread, less its wait for the previous one
         self.write_s = 0.0  # the last background write (and exchange) that finished
         self.skipped: list[str] = []  # why the last scan passed over parts on this node
+        self.elsewhere: memory_slots.Elsewhere = {}  # the last scan's parts of another world size
         self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
 
     def rebind_groups(self, mapping: dict) -> None:
@@ -261,7 +266,7 @@ class MemoryTier:
         {(rank, step): (bin, header)}. A part that does not is skipped and said."""
         mine = {p for p in range(self.world) if p % self.local_world == self.rank % self.local_world}
         identity = {"run_id": self.run, "world": self.world, "config_sha256": self.config_sha256}
-        found, self.skipped = memory_slots.scan(self.dir, mine, identity)
+        found, self.skipped, self.elsewhere = memory_slots.scan(self.dir, mine, identity)
         return found
 
     def plan(self, found: dict[tuple[int, int], Any]) -> tuple[int | None, dict[int, int]]:
@@ -273,6 +278,31 @@ class MemoryTier:
         """Collective: every part whose rank does not hold it is sent by its holder and kept as that rank's
         own slot. Returns this rank's part of `step` (bin, header)."""
         return memory_peers.fetch(self.rank, step, givers, found, self._paths(self._slot(step)))
+
+    def plan_reshard(self) -> tuple[int, int] | None:
+        """Collective, after a `scan` and a `plan` that found nothing of this world: (world, step) of the
+        newest snapshot of another world size of which every rank's node holds every part (a lost node's
+        parts as peer copies), or None."""
+        complete = sorted((step, world) for (world, step), parts in self.elsewhere.items()
+                          if set(parts) == set(range(world)))
+        everyone = [complete]
+        if self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, complete)
+        common = set.intersection(*(set(map(tuple, keys)) for keys in everyone))
+        if not common:
+            return None
+        step, world = max(common)
+        return world, step
+
+    def load_resharded(self, world: int, step: int, model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer) -> TrainState:
+        """Collective: restore this rank's rows of the `world`-rank snapshot of `step` from this node's
+        parts of it (trainer.checkpoint.memory_reshard); returns its train state (of the old world)."""
+        parts = self.elsewhere[(world, step)]
+        state = memory_reshard.restore(parts, model, optimizer, self.rank, self.world)
+        self.restored_extra = {"records": parts[self.rank % world][1].get("records", [])}
+        return state
 
     def load(self, binary: Path, header: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
         """Restore this rank's part of a verified snapshot in place: tensors, hyper-parameters, RNG;
@@ -293,6 +323,10 @@ class MemoryTier:
             for slot in range(SLOTS):
                 for path in (*self._paths(slot), *self._paths(slot, self.source, peer=True)):
                     path.unlink(missing_ok=True)
+            for parts in self.elsewhere.values():  # an earlier world's parts (this world resumed from them)
+                for binary, _ in parts.values():
+                    binary.unlink(missing_ok=True)
+                    memory_slots.head_of(binary).unlink(missing_ok=True)
             try:
                 if not any(p.name != OWNER for p in self.dir.iterdir()):  # the last rank out
                     (self.dir / OWNER).unlink(missing_ok=True)

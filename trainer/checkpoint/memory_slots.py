@@ -18,6 +18,7 @@ IOV_MAX = 1024  # buffers per pwritev (Linux's limit)
 VERSION = 1
 
 Found = dict[tuple[int, int], tuple[Path, dict]]  # {(rank, step): (bin, header)} of the parts that verify
+Elsewhere = dict[tuple[int, int], dict[int, tuple[Path, dict]]]  # {(world, step): {rank: (bin, header)}}
 
 
 def slot_of(step: int, every: int) -> int:
@@ -86,17 +87,30 @@ def read_part(binary: Path, head: Path) -> tuple[bytes, bytes]:
     return head.read_bytes(), binary.read_bytes()
 
 
-def scan(directory: Path, ranks: set[int], identity: dict) -> tuple[Found, list[str]]:
+def scan(directory: Path, ranks: set[int], identity: dict) -> tuple[Found, list[str], Elsewhere]:
     """The complete parts in `directory` of `ranks` (own copies and peer copies) that verify against
     `identity` (the header's run_id, world, config_sha256), and why the others were passed over. Each one
-    passed over is said."""
+    passed over is said, but for the parts of another world size: those of this run and config that
+    verify, of every rank, come back apart ({(world, step): {rank: (bin, header)}}), for a reshard."""
     found: Found = {}
+    elsewhere: Elsewhere = {}
     skipped: list[str] = []
     for head in sorted(directory.glob("*slot-*.rank-*.json")):
         part = int(head.name.removesuffix(".json").rsplit("-", 1)[1])
+        binary = head.parent / f"{head.name.removesuffix('.json')}.bin"
+        world = _world_of(head)
+        if isinstance(world, int) and world != identity["world"]:
+            problem, header = check_part(binary, head, part, {**identity, "world": world})
+            skipped.append(f"world {world}, this run's is {identity['world']}")
+            if problem:
+                log.warning("memory snapshot %s (world %d) not used: %s", head, world, problem)
+                continue
+            parts = elsewhere.setdefault((world, header["step"]), {})
+            if part not in parts or not head.name.startswith("peer-"):
+                parts[part] = (binary, header)
+            continue
         if part not in ranks:
             continue
-        binary = head.parent / f"{head.name.removesuffix('.json')}.bin"
         problem, header = check_part(binary, head, part, identity)
         if problem:
             log.warning("memory snapshot %s not used: %s", head, problem)
@@ -105,7 +119,15 @@ def scan(directory: Path, ranks: set[int], identity: dict) -> tuple[Found, list[
         key = (part, header["step"])
         if key not in found or not head.name.startswith("peer-"):  # its own copy first
             found[key] = (binary, header)
-    return found, skipped
+    return found, skipped, elsewhere
+
+
+def _world_of(head: Path) -> object:
+    """The world size a part's header names (None when unreadable: `check_part` says why)."""
+    try:
+        return json.loads(head.read_text()).get("world")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def check_part(binary: Path, head: Path, part: int, identity: dict) -> tuple[str, dict]:

@@ -24,9 +24,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """This rank's tensors of the training state, in a fixed order: the model's parameters and persistent
-    buffers, then each parameter's optimizer state. Writing into them restores the state in place.
+def listed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """The training state's tensors, in a fixed order: the model's parameters and persistent buffers, then
+    each parameter's optimizer state (DTensors as they are; `local_tensors` takes their local shards).
 
     The parameters are the optimizer's (always the sharded ones), named through the model. `state_dict()`
     comes first: FSDP2's pre-save hook reshards the modules that a forward without backward (an eval)
@@ -37,13 +37,19 @@ def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     missing = [i for i, p in enumerate(params) if p not in names]
     if missing:
         raise ValueError(f"optimizer parameter(s) {missing} are not among the model's parameters")
-    out = [(f"model.{name}", _local(p.detach())) for name, p in model.named_parameters()]
-    out += [(f"model.{name}", _local(b)) for name, b in model.named_buffers() if name in persistent]
+    out = [(f"model.{name}", p.detach()) for name, p in model.named_parameters()]
+    out += [(f"model.{name}", b) for name, b in model.named_buffers() if name in persistent]
     for p in params:
         for key, value in sorted(optimizer.state.get(p, {}).items()):
             if torch.is_tensor(value):
-                out.append((f"optim.{names[p]}.{key}", _local(value)))
+                out.append((f"optim.{names[p]}.{key}", value))
     return out
+
+
+def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """This rank's tensors of the training state (`listed_tensors`' local shards), in that order. Writing
+    into them restores the state in place."""
+    return [(name, _local(t)) for name, t in listed_tensors(model, optimizer)]
 
 
 def state_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[int]]:
@@ -77,6 +83,12 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def restore_hyper_parameters(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
+    """Put back what `hyper_parameters` kept (lists back to the tuples they were)."""
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
 
 
 class PartLayout:
@@ -147,7 +159,6 @@ def restore(binary: Path, header: dict, model: torch.nn.Module, optimizer: torch
             data = f.read(nbytes)
             src = torch.frombuffer(bytearray(data), dtype=t.dtype).view(t.shape) if nbytes else t
             t.copy_(src)
-    for group, saved in zip(optimizer.param_groups, header["param_groups"], strict=True):
-        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    restore_hyper_parameters(optimizer, header["param_groups"])
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(header["rng"])), dtype=torch.uint8))
     return TrainState(**header["state"])
