@@ -62,10 +62,11 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
         reference, tmp_path):
     """Rank 1 SIGKILLed at step 8, then rank 2 SIGSTOPped (a hang: the watchdog SIGKILLs it alone) 12 or
     more steps after that recovery: each time only the failed rank gets a new process; ranks 0 and 3
-    keep theirs throughout; nothing is lost and the run is bit-identical to an uninterrupted one."""
+    keep theirs throughout; nothing is lost, the run is bit-identical to an uninterrupted one, and the cost
+    summary counts the time lost to the failures."""
     hang_timeout = 3.0
     run_dir = tmp_path / "run"
-    proc = start(run_dir, tmp_path, [f"fault.hang_timeout_s={hang_timeout}"])
+    proc = start(run_dir, tmp_path, [f"fault.hang_timeout_s={hang_timeout}", "log.cost_per_device_hour=3.0"])
     victim = wait_for_step(run_dir, 8, rank=1)
     before = pids(run_dir)
     os.kill(victim["pid"], signal.SIGKILL)
@@ -98,6 +99,10 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
     kept = [sorted(e["kept_pids"]) for e in events(run_dir, "in_process_done")]
     assert kept == [sorted(before[r] for r in (0, 2, 3)), sorted(middle[r] for r in (0, 1, 3))], kept
     assert "restarting the failed rank(s) alone" in out and "restarting the worker group" not in out
+    done = read_events(run_dir)[-1]
+    assert done["event"] == "done" and done["restarts"] == 2, done
+    assert done["cost"]["devices"] == RANKS and 0 < done["cost"]["lost_share"] < 1, done["cost"]
+    assert "lost to failures/restarts" in out
     assert_same_run(run_dir, reference)
 
 

@@ -107,14 +107,16 @@ def test_chunks_are_cache_sized_on_cpu():
     assert chunk_rows(32_000, torch.device("cuda")) == 4160  # 512 MiB, rounded down to a multiple of 64
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiling is slow
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # tracing is slow
 def test_the_model_returns_the_same_loss_and_gradients_as_its_logits_give(compiled):
-    # one block (fewer kernels to compile), two query heads sharing one key/value head
+    """Eager, and traced by torch.compile (aot_eager: the fused loss stays eager inside the traced model;
+    inductor's code for the same model is tests/unit/test_perf.py's compile test, on the trainer)."""
+    # one block (fewer ops to trace), two query heads sharing one key/value head
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=97, seq_len=32))
     tokens = torch.randint(0, 97, (3, 33))
     mask = torch.rand(3, 32) > 0.1
-    fused = torch.compile(model) if compiled else model
+    fused = torch.compile(model, backend="aot_eager") if compiled else model
     loss = fused(tokens[:, :-1], targets=tokens[:, 1:], mask=mask)
     grads = torch.autograd.grad(loss, list(model.parameters()))
     want = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], mask)

@@ -10,25 +10,21 @@ plus `key=value` overrides and validated before any work starts; every error nam
 Torch-free (resume_rules aside), so a config error answers before torch loads. The public API is
 re-exported here: `from trainer.config import Config, load`."""
 
-from trainer.config.groups import (
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    DistConfig,
-    FaultConfig,
-    LogConfig,
-    ProfileConfig,
-    RunConfig,
-    StorageConfig,
-    TrainConfig,
-    load,
-    micro_batch_size,
-    save,
-    validate,
-)
-from trainer.config.schema import ConfigError
+import importlib
 
-__all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "FaultConfig", "LogConfig",
-    "ProfileConfig", "RunConfig", "StorageConfig", "TrainConfig", "load", "micro_batch_size", "save", "validate",
-]
+# name -> the module that defines it. Loaded on first use (PEP 562), not here: trainer.model.args imports
+# trainer.config.schema, whose package this is, and trainer.config.groups imports trainer.model.args, so
+# an eager import here made `from trainer.model.args import ModelArgs` in a fresh interpreter a cycle.
+_EXPORTS = {
+    **dict.fromkeys(["CheckpointConfig", "Config", "DataConfig", "DistConfig", "FaultConfig", "LogConfig",
+                     "ProfileConfig", "RunConfig", "StorageConfig", "TrainConfig", "load", "micro_batch_size",
+                     "save", "validate"], "groups"),
+    "ConfigError": "schema",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"trainer.config.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'trainer.config' has no attribute {name!r}")
