@@ -17,5 +17,5 @@ class LaunchOptions:
     rdzv_id: str = ""  # empty: derived from run.name and run.dir (the same on every node)
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     local_addr: str | None = None  # address the other ranks reach this node at; None: auto
-    monitor_interval_s: float = 0.1
+    monitor_interval_s: float = 0.025  # how often the agent polls the ranks (a crash is noticed within it)
     job: str = ""  # this job's id (launch.lock.job_key): its ranks share the directory leases

@@ -252,6 +252,15 @@ def _check_keys(tree: Any, source: str, valid: dict[str, type], prefix: str = ""
             _check_keys(value, source, valid, dotted + ".")
 
 
+def _merge_into(into: dict, tree: dict) -> None:
+    """Merge a layer's tree into `into` as OmegaConf.merge would: groups key by key, values replaced."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge_into(into[key], value)
+        else:
+            into[key] = value
+
+
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load YAML (optional) + `key=value` overrides into a validated Config.
 
@@ -280,16 +289,23 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"cannot parse override '{item}': {e}") from e
         layers.append((f"override '{item}'", tree))
 
-    merged = OmegaConf.structured(Config)
     for source, tree in layers:
         _check_keys(tree, source, valid)
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(_rename(tree, schema.attr_name)))
-        except OmegaConfBaseException as e:
-            full_key = getattr(e, "full_key", None) or "?"
-            raise ConfigError(
-                f"bad value for config key '{_to_yaml_key_path(full_key)}' in {source}: {str(e).splitlines()[0]}"
-            ) from e
+    combined: dict = {}
+    for _, tree in layers:
+        _merge_into(combined, _rename(tree, schema.attr_name))
+    try:  # the layers merged as plain dicts, then into the schema once (a restarted rank waits for this)
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(combined))
+    except OmegaConfBaseException as first:
+        merged = OmegaConf.structured(Config)
+        for source, tree in layers:  # one by one, to name the layer a bad value came from
+            try:
+                merged = OmegaConf.merge(merged, OmegaConf.create(_rename(tree, schema.attr_name)))
+            except OmegaConfBaseException as e:
+                full_key = getattr(e, "full_key", None) or "?"
+                raise ConfigError(f"bad value for config key '{_to_yaml_key_path(full_key)}' in {source}: "
+                                  f"{str(e).splitlines()[0]}") from e
+        raise ConfigError(f"invalid config: {first}") from first
     try:
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
