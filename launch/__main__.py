@@ -15,7 +15,7 @@ log = logs.get_logger(root=logs.LAUNCHER)
 EPILOG = """exit codes: 0 done | 1 failed (restart budget spent, launcher error, or preempted without an
 emergency checkpoint) | 2 bad config or input | 3 crash loop (the same failure at the same step again and
 again) | 4 storage could not be used within storage.* (restarted with backoff until the budget is spent) |
-75 preempted (state committed; launch again to resume)
+75 preempted, or the rendezvous endpoint's node lost (launch again to resume)
 
 torchrun's spellings work (--nproc_per_node, --standalone, --rdzv-backend c10d, --node-rank, PET_*
 variables); its options that have no meaning here (--master-addr, --log-dir, ...) are refused by name.
@@ -34,13 +34,30 @@ def nproc_per_node(value: str) -> int:
     """torchrun's values: a number, `gpu` (the visible GPUs), `cpu` (the CPUs) or `auto` (GPUs if any,
     else CPUs). Raises ValueError for anything else, and for `gpu` without GPUs."""
     if value in ("auto", "gpu", "cpu"):
-        import torch
+        torch = import_torch()
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if value == "gpu" and not gpus:
             raise ValueError("no GPUs")
         return gpus if value != "cpu" and gpus else os.cpu_count() or 1
     return int(value)
+
+
+def import_torch():
+    """torch, imported with its C++ warnings off in this process (unless TORCH_CPP_LOG_LEVEL is set): a
+    lost node makes the rendezvous store's client print warnings with dozens of C++ stack frames, where
+    the launcher says what happened in one line. The ranks (started later) keep torch's default."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        import torch
+
+        return torch
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, when torch's C++ library loads
+    try:
+        import torch
+
+        return torch
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 # torchrun options this launcher does not have, each with what to do instead (refused by name).
@@ -168,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with lock.claim(cfg.run.dir, job):
             zygote = start_fork_server(cfg)
-            from launch.supervisor import Supervisor  # imports torch, while the fork server does the same
+            import_torch()  # while the fork server imports it too
+            from launch.supervisor import Supervisor
 
             return Supervisor(cfg, opts, zygote).run()
     except lock.RunDirInUse as e:

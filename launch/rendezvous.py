@@ -65,6 +65,21 @@ def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: 
                       max_restarts=max_restarts, monitor_interval=opts.monitor_interval_s, local_addr=local_addr)
 
 
+def store_lost(error: BaseException) -> bool:
+    """Whether `error` (from the agent) means the rendezvous store stopped answering: the node hosting the
+    endpoint is gone, and this node cannot go on without it."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (RendezvousConnectionError, DistNetworkError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def handler(params: RendezvousParameters) -> RendezvousHandler:
     """torchrun's c10d rendezvous; on a loopback endpoint its store listens on that address only,
     hosted by the first launcher to bind it (the others on this machine connect to it)."""

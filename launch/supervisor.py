@@ -285,7 +285,8 @@ class Supervisor:
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             self._error = e
         finally:
-            if self.preempt_at is None:  # a preempted node leaves the rendezvous open for its replacement
+            # A preempted node leaves the rendezvous open for its replacement; a lost store has none to close.
+            if self.preempt_at is None and not (self._error is not None and rendezvous.store_lost(self._error)):
                 self.agent.leave_rendezvous()
 
     def _wait_for(self, thread: threading.Thread) -> None:
@@ -328,6 +329,9 @@ class Supervisor:
         if self.preempt_at is not None:
             return self._preempted_outcome()
         if self._error is not None:
+            if rendezvous.store_lost(self._error):
+                return EXIT_PREEMPTED, (f"the rendezvous endpoint {self.opts.rdzv_endpoint} stopped answering (the "
+                                        f"node hosting it is lost): launch again to resume from the newest state")
             return EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"
         if self._decision is not None:
             return self._decision.exit_code, self._decision.reason.splitlines()[0]
