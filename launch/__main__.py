@@ -34,7 +34,7 @@ def nproc_per_node(value: str) -> int:
     """torchrun's values: a number, `gpu` (the visible GPUs), `cpu` (the CPUs) or `auto` (GPUs if any,
     else CPUs). Raises ValueError for anything else, and for `gpu` without GPUs."""
     if value in ("auto", "gpu", "cpu"):
-        torch = import_torch()
+        import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if value == "gpu" and not gpus:
@@ -43,21 +43,12 @@ def nproc_per_node(value: str) -> int:
     return int(value)
 
 
-def import_torch():
-    """torch, imported with its C++ warnings off in this process (unless TORCH_CPP_LOG_LEVEL is set): a
-    lost node makes the rendezvous store's client print warnings with dozens of C++ stack frames, where
-    the launcher says what happened in one line. The ranks (started later) keep torch's default."""
-    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
-        import torch
-
-        return torch
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, when torch's C++ library loads
-    try:
-        import torch
-
-        return torch
-    finally:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
+def quiet_cpp_warnings() -> None:
+    """torch's C++ warnings off in the launcher, its fork server and its ranks (TORCH_CPP_LOG_LEVEL=ERROR,
+    unless it is set): a lost node makes every TCP store client print warnings with dozens of C++ stack
+    frames, where the launcher says what happened in one line. Read once, when torch's C++ library loads:
+    before anything imports torch."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 # torchrun options this launcher does not have, each with what to do instead (refused by name).
@@ -142,6 +133,7 @@ def start_fork_server(cfg):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_cpp_warnings()
     logs.setup(logs.LAUNCHER, stream=sys.stderr)
     refused = refused_torchrun_option(argv)
     if refused:
@@ -185,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with lock.claim(cfg.run.dir, job):
             zygote = start_fork_server(cfg)
-            import_torch()  # while the fork server imports it too
-            from launch.supervisor import Supervisor
+            from launch.supervisor import Supervisor  # imports torch, while the fork server does the same
 
             return Supervisor(cfg, opts, zygote).run()
     except lock.RunDirInUse as e:

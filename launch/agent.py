@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from launch.failures import RankExit
 from trainer.contract import check_elastic_agent, is_alive
 
+EXIT_BARRIER_S = 60  # torchelastic's: the nodes of a finished group wait for each other before exiting
 SURVIVOR_GRACE_S = 5  # the most a failed group's survivors get to exit before SIGKILL (torchrun: 30)
 
 
@@ -92,7 +93,7 @@ class SupervisedAgent(LocalElasticAgent):
     uses `supervise`, `worker_pids`, `running`, `stop_restarts`, `terminate`, `kill` and `leave_rendezvous`."""
 
     def __init__(self, spec: WorkerSpec, hooks: Hooks, drain_grace_s: float) -> None:
-        super().__init__(spec, DefaultLogsSpecs(), start_method="spawn", exit_barrier_timeout=60)
+        super().__init__(spec, DefaultLogsSpecs(), start_method="spawn", exit_barrier_timeout=EXIT_BARRIER_S)
         check_elastic_agent(self)  # what follows overrides and reads torchelastic's private members
         self.spec, self.hooks, self.drain_grace_s = spec, hooks, drain_grace_s
         self._victims: set[int] = set()  # local ranks still alive when the group was torn down
@@ -134,6 +135,33 @@ class SupervisedAgent(LocalElasticAgent):
         while any(is_alive(pid) for pid in pids) and time.time() < deadline and not self.hooks.hard_stop():
             time.sleep(0.1)
 
+    def global_ranks(self) -> dict[int, int]:
+        """Local rank -> global rank of the current group."""
+        return {w.local_rank: w.global_rank for w in self._worker_group.workers}
+
+    def world_size(self) -> int:
+        return self._worker_group.workers[0].world_size if self._worker_group.workers else 0
+
+    def run_id(self) -> str:
+        return self.spec.rdzv_handler.get_run_id()
+
+    def nodes_waiting(self) -> int:
+        return self.spec.rdzv_handler.num_nodes_waiting()
+
+    def renumber(self, ranks: dict[int, int]) -> None:
+        """The running group went on in a smaller world (a lost node, in process): its ranks' new numbers
+        (old global rank -> new), for the replacement of a rank started later and for the reports. The
+        lost nodes will not come to the exit barrier: it is skipped."""
+        world = len(ranks)
+        for worker in self._worker_group.workers:
+            worker.global_rank = worker.role_rank = ranks[worker.global_rank]
+            worker.world_size = worker.role_world_size = world
+            if self._pcontext is not None:
+                env = self._pcontext.envs[worker.local_rank]
+                env.update(RANK=str(worker.global_rank), ROLE_RANK=str(worker.global_rank), WORLD_SIZE=str(world),
+                           ROLE_WORLD_SIZE=str(world))
+        self._exit_barrier_timeout = 0
+
     def leave_rendezvous(self) -> None:
         """Close the rendezvous for good (a preempted node leaves it open for its replacement instead)."""
         self.spec.rdzv_handler.shutdown()
@@ -146,6 +174,7 @@ class SupervisedAgent(LocalElasticAgent):
         if self.hooks.signalled():
             raise Stopping("signalled before the worker group started")
         attempt = self._restart_count()  # what torchelastic gives the ranks (stop_restarts() changes it later)
+        self._exit_barrier_timeout = EXIT_BARRIER_S  # (`renumber` turned it off for a smaller world)
         self.hooks.before_start(attempt)
         pids = super()._start_workers(worker_group)
         self._fast_close(self._pcontext)
@@ -184,6 +213,10 @@ class SupervisedAgent(LocalElasticAgent):
         worker_group.state = WorkerState.STOPPED
         self._back_off(self.hooks.before_restart(self._restart_count(), membership))
         self._initialize_workers(worker_group)
+
+    def _exit_barrier(self) -> None:
+        if self._exit_barrier_timeout > 0:  # 0: the world got smaller in process; the lost nodes never come
+            super()._exit_barrier()
 
     def _back_off(self, delay_s: float) -> None:
         deadline = time.time() + delay_s

@@ -28,7 +28,7 @@ class Failure:
     """What the restart policy decides on: one failure of the worker group, blamed on one rank."""
 
     rank: int
-    cause: str  # exit | signal | hang | preemption | storage (it may come back: no crash-loop stop)
+    cause: str  # exit | signal | hang | preemption | node | storage (it may come back: no crash-loop stop)
     step: int  # the step that was running (last finished step + 1)
     exit_code: int | None = None
     signal: str | None = None
@@ -43,7 +43,7 @@ class Failure:
     def describe(self) -> str:
         how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",
                "hang": "hung", "preemption": "was preempted (SIGTERM)",
-               "storage": "could not use its storage"}[self.cause]
+               "storage": "could not use its storage", "node": "was lost with its node"}[self.cause]
         text = f"rank {self.rank} {how} at step {self.step}"
         return f"{text}: {self.message}" if self.message else text
 

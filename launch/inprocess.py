@@ -7,6 +7,9 @@ their processes and re-form the groups with them), or let the whole group restar
   exits, and so does a replacement that failed): the whole group restarts;
 - a preemption, a storage fault or bad input: the restart policy's usual path;
 - one node alone whose every rank failed: nobody is left to recover with.
+Under --nnodes MIN:MAX a node whose every rank waits for ranks of other nodes that nobody replaces
+(NODE_LOST_S) tells its survivors to go on without them, in a smaller world (`smaller_world`), when they
+are all here; otherwise the group restarts (a rendezvous forms the smaller world).
 It keeps the pending recovery until every rank of this node has finished a step in the new generation,
 then gives the ledger its `resume` event with the split."""
 
@@ -16,7 +19,19 @@ import time
 from dataclasses import dataclass, field
 
 from launch.failures import Failure
-from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV
+from trainer.contract import (
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    GENERATION_ENV,
+    arrived_ranks,
+    coordination_store,
+    publish_smaller_world,
+)
+
+# Every rank of this node recovering this long, with nobody to wait for but ranks of other nodes: their
+# node is lost (a crashed rank of a live node is replaced within a second: its launcher forks it warm).
+NODE_LOST_S = 1.5
 
 # A recovery takes about half a second here (a few on a slow machine, or with a cold replacement); one
 # not finished by then is stuck somewhere no bound of its own catches: the whole group restarts.
@@ -34,12 +49,14 @@ class Pending:
     kept: dict[int, int] = field(default_factory=dict)
     cause: str = ""
     dead_pids: frozenset[int] = frozenset()  # the failed ranks' trainer pids (their heartbeats are stale)
+    lost: list[int] = field(default_factory=list)  # the ranks of a lost node (the world got smaller)
 
 
 @dataclass
 class InProcessRecovery:
     enabled: bool
     single_node: bool
+    smaller: bool = False  # --nnodes MIN:MAX: the survivors of a lost node go on in process, in a smaller world
     generation: int = 0  # the newest generation this node's ranks were asked to join
     pending: Pending | None = None
     hang: Failure | None = None  # a hung rank this launcher killed, to be replaced as its failure
@@ -69,6 +86,41 @@ class InProcessRecovery:
         dead = frozenset(beats[r]["pid"] for r in exits if r in beats)
         self.pending = Pending(self.generation, time.time(), sorted(exits), kept, failure.cause, dead)
         return {GENERATION_ENV: str(self.generation)}, ""
+
+    def lost_node(self, beats: dict[int, dict], local: list[int], now: float) -> tuple[int, float] | None:
+        """(generation, when the first rank noticed) once every rank of this node (`local`: their global
+        ranks) has been recovering for NODE_LOST_S with no failure of this node's under way; else None."""
+        if not self.smaller or self.pending is not None or not local:
+            return None
+        waiting = [beats.get(rank, {}) for rank in local]
+        if not all(b.get("phase") == "recover" and b.get("recovering") for b in waiting):
+            return None
+        noticed = min(b.get("t_error") or now for b in waiting)
+        return (max(b["recovering"] for b in waiting), noticed) if now - noticed >= NODE_LOST_S else None
+
+    def go_smaller(self, generation: int, noticed: float, kept: dict[int, int], lost: list[int]) -> Pending:
+        """The survivors here go on without the lost ranks in `generation`: the recovery under way."""
+        self.generation = generation
+        self.pending = Pending(generation, noticed, [], kept, "node", frozenset(), lost)
+        return self.pending
+
+    def smaller_world(self, agent, generation: int, min_nodes: int, store_at: str,
+                      restart: int) -> tuple[list[int], str]:
+        """The survivors of a lost node are all here: publish the smaller world they go on in (their new
+        ranks, on the ranks' coordination store at `store_at`) and renumber the agent's group. Returns
+        (the lost ranks, why not: '' when published)."""
+        local, world = agent.global_ranks(), agent.world_size()
+        store = coordination_store(store_at, agent.run_id(), restart, 30.0)
+        arrived = arrived_ranks(store, generation, world)
+        lost = sorted(set(range(world)) - set(arrived))
+        if set(arrived) != set(local.values()):
+            return lost, f"ranks {sorted(set(arrived) - set(local.values()))} of other nodes survive too"
+        if min_nodes > 1:
+            return lost, f"--nnodes needs {min_nodes} nodes at least; this one is left alone"
+        if agent.nodes_waiting():
+            return lost, "a node is waiting to join"
+        agent.renumber(publish_smaller_world(store, generation, arrived))
+        return lost, ""
 
     def dead_pids(self) -> frozenset[int]:
         """Pids the watchdog must not judge: the failed ranks of the recovery under way."""

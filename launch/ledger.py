@@ -161,3 +161,16 @@ def recovery_after(events: list[dict], at: float) -> tuple[dict, dict] | None:
     failure = next((e for e in events if e["event"] == "failure" and e["time"] >= at), None)
     resume = failure and next((e for e in events if e["event"] == "resume" and e["time"] >= failure["time"]), None)
     return (failure, resume) if resume else None
+
+
+def resume_line(event: dict) -> str:
+    """The launcher's line for a `resume` event: tier, lost steps, the recovery and its split, why that tier."""
+    if "wait_s" in event:
+        split = (f"in process: left {event['leave_s']:.2f}s, waited {event['wait_s']:.2f}s, re-formed "
+                 f"{event['reform_s']:.2f}s, load {event['load_s']:.2f}s, first step {event['first_step_s']:.2f}s")
+    else:
+        split = (f"restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, first step "
+                 f"{event['first_step_s']:.1f}s")
+    why = f"; {event['tier_why']}" if event["tier_why"] else ""
+    return (f"resumed at step {event['step']} from the {event['tier']} tier: {event['lost_steps']} step(s) lost, "
+            f"recovery {event['recovery_s']:.2f}s ({split}){why}")

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from launch import failures, rendezvous
 from launch.agent import GroupStatus, SupervisedAgent
+from launch.commits import newest_commit
 from launch.failures import Failure
 from launch.inprocess import RECOVERY_BOUND_S, InProcessRecovery
-from launch.ledger import Ledger, format_summary
+from launch.ledger import Ledger, format_summary, resume_line
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
 from launch.stub import ZYGOTE_ENV
@@ -68,8 +69,9 @@ class Supervisor:
         self.heartbeat_dir = Path(tempfile.mkdtemp(prefix=heartbeat_prefix(), dir=cfg.run.dir))
         stall = cfg.storage.stall_s
         self.watchdog = Watchdog(self.heartbeat_dir, f.hang_timeout_s, stall + 10.0 if stall else 0.0)
-        # One node for now: a lost node would leave the survivors waiting for ranks no launcher restarts.
-        self.inproc = InProcessRecovery(f.in_process and opts.max_nodes == 1, single_node=opts.max_nodes == 1)
+        # A failed rank is replaced alone on one node; with several, a lost node's survivors go on in a smaller world.
+        one = opts.max_nodes == 1
+        self.inproc = InProcessRecovery(f.in_process and one, one, f.in_process and opts.min_nodes < opts.max_nodes)
         self.agent: SupervisedAgent | None = None  # created by run()
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
         self.preempt_at: float | None = None  # set by the signal handler (main thread)
@@ -179,6 +181,8 @@ class Supervisor:
                 self._on_failure(Failure(stuck.replaced[0], "hang", self._last_step() + 1, message=why,
                                          key="in-process recovery overdue"), "")
                 return True
+            if lost := self.inproc.lost_node(beats, sorted(self.agent.global_ranks().values()), now):
+                return self._go_smaller(*lost, beats)
             if self.inproc.hang is not None and now - self.inproc.hang_killed_at < HANG_EXIT_WAIT_S:
                 return False  # the hung rank was SIGKILLed alone: its exit is on its way to the agent
             hang = self.watchdog.check(self.attempt, now, ignore=self.inproc.dead_pids())
@@ -193,23 +197,34 @@ class Supervisor:
                 return True
         return False
 
+    def _go_smaller(self, generation: int, noticed: float, beats: dict[int, dict]) -> bool:
+        """Every rank here waits for ranks of other nodes nobody replaces: their node is lost. The survivors go
+        on in process in a smaller world; when they cannot, the group restarts (True)."""
+        kept = {lr: beats[rank]["pid"] for lr, rank in self.agent.global_ranks().items() if rank in beats}
+        lost, why = self.inproc.smaller_world(self.agent, generation, self.opts.min_nodes, os.environ[COORD_STORE_ENV],
+                                              self.attempt)
+        failure = Failure(lost[0] if lost else 0, "node", self._last_step() + 1, key="node lost",
+                          message=f"rank(s) {lost} of another node stopped answering: the node is lost")
+        if why:
+            log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
+            self.ledger.event("in_process_fallback", why=why, rank=failure.rank)
+        self._on_failure(failure, "", path="restart" if why else "in-process")
+        if why or self._decision is not None:
+            return True
+        self.inproc.go_smaller(generation, noticed, kept, lost)
+        self.ledger.attempt_started(self.attempt, noticed, "failure", path="in-process")
+        log.info(f"in-process recovery, generation {generation}: the ranks here go on as a world of "
+                 f"{len(kept)} without rank(s) {lost}")
+        return False
+
     def _last_step(self) -> int:
         return self.ledger.attempts[-1].last_step if self.ledger.attempts else 0
 
     def _observe(self, beat: dict) -> None:
         """Fold this node's lowest rank's heartbeat into the ledger; say so once a restarted group resumed."""
         event = self.ledger.observe(beat)
-        if not event:
-            return
-        if "wait_s" in event:
-            split = (f"in process: left {event['leave_s']:.2f}s, waited {event['wait_s']:.2f}s, re-formed "
-                     f"{event['reform_s']:.2f}s, load {event['load_s']:.2f}s, first step {event['first_step_s']:.2f}s")
-        else:
-            split = (f"restart {event['restart_s']:.1f}s, load {event['load_s']:.1f}s, first step "
-                     f"{event['first_step_s']:.1f}s")
-        why = f"; {event['tier_why']}" if event["tier_why"] else ""
-        log.info(f"resumed at step {event['step']} from the {event['tier']} tier: {event['lost_steps']} step(s) lost, "
-                 f"recovery {event['recovery_s']:.2f}s ({split}){why}")
+        if event:
+            log.info(resume_line(event))
 
     def _on_failure(self, failure: Failure, tb: str, path: str = "restart") -> None:
         record = self.ledger.failure(attempt=self.attempt, rank=failure.rank, cause=failure.cause, step=failure.step,
@@ -247,7 +262,7 @@ class Supervisor:
         o = self.opts
         warm = self.zygote is not None
         spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts, warm=warm)
-        if not self.inproc.enabled:  # (the rendezvous handler names its store for the ranks)
+        if not (self.inproc.enabled or self.inproc.smaller):  # (the rendezvous handler names its store for the ranks)
             os.environ.pop(COORD_STORE_ENV, None)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
         self.ledger.event("start", nproc_per_node=o.nproc_per_node, nnodes=f"{o.min_nodes}:{o.max_nodes}",
@@ -369,31 +384,3 @@ class Supervisor:
         if "cost" in summary:
             log.info(f"this node: {format_cost(summary['cost'])}")
         return code
-
-
-def newest_commit(root: str, timeout_s: float) -> tuple[int, float] | None:
-    """(step, commit time) of the newest committed step in the checkpoint store, asked of the store
-    itself, which every node shares: exit codes do not tell (ranks still tearing down when the first
-    one exits may be killed), and rank 0's `commit` events are in its own run.dir, which on another
-    node's pod this launcher does not see. None when there is none, or the store does not answer within
-    `timeout_s` (a preempted launcher must exit within its grace period)."""
-    answer: list[tuple[int, float] | None] = []
-
-    def ask() -> None:
-        try:
-            from trainer.contract import committed_steps, read_commit, step_dir  # (torch: within the bound)
-
-            steps = committed_steps(root)
-            answer.append((steps[-1], read_commit(step_dir(root, steps[-1]))["time"]) if steps else None)
-        except Exception as e:  # noqa: BLE001 - unreadable store: say so, and count it as not committed
-            log.warning(f"could not check {root} for the emergency checkpoint: {type(e).__name__}: {e}")
-            answer.append(None)
-
-    asking = threading.Thread(target=ask, name="ask-checkpoint-store", daemon=True)
-    asking.start()
-    asking.join(timeout_s)
-    if asking.is_alive():
-        log.warning(f"the checkpoint store {root} did not answer within {timeout_s:.0f}s: the emergency "
-                    "checkpoint cannot be confirmed")
-        return None
-    return answer[0]

@@ -13,6 +13,8 @@ imports from trainer/ (a unit test holds it to that). What crosses:
     check_elastic_agent                       trainer.distributed.torch_compat: torchelastic's internals, checked
     committed_steps, read_commit, step_dir    trainer.checkpoint.commit: the step a preempted job resumes from
     trainer_main                              the trainer.__main__ module: what the fork server runs in a forked rank
+    coordination_store, arrived_ranks,        trainer.distributed.regroup: the in-process recovery's keys, where the
+    publish_smaller_world                     launcher sends the survivors of a lost node on in a smaller world
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ _LAZY = {
     "read_commit": ("trainer.checkpoint.commit", "read_commit"),
     "step_dir": ("trainer.checkpoint.commit", "step_dir"),
     "trainer_main": ("trainer.__main__", None),
+    "coordination_store": ("trainer.distributed.regroup", "coordination_store"),
+    "arrived_ranks": ("trainer.distributed.regroup", "arrived_ranks"),
+    "publish_smaller_world": ("trainer.distributed.regroup", "publish_smaller_world"),
 }
 
 

@@ -53,13 +53,13 @@ def train(cfg: Config) -> dict:
             try:
                 step_start = time.perf_counter()
                 micros, data_wait = next_batch(run, progress)
-                result = train_step(run.model, run.optimizer, micros, cfg, info, meters.timer,
-                                    fault.slowdown(progress.state.step + 1, info.rank))
+                result = train_step(run.model, run.optimizer, micros, cfg, run.info, meters.timer,
+                                    fault.slowdown(progress.state.step + 1, run.info.rank))
                 after_step(run, meters, progress, result, step_start, data_wait)
             except Exception as error:
                 if regroup is None or not recover.peer_lost(error):
                     raise
-                progress, meters = recover.recover(run, meters, progress, error)
+                run, progress, meters = recover.recover(run, meters, progress, error)
         return finish(run, meters, progress)
     finally:
         try:

@@ -12,14 +12,18 @@ launcher then falls back to a full restart, and its ledger says why."""
 from __future__ import annotations
 
 import json
+import os
 import time
+from dataclasses import replace
+
+import torch.distributed as dist
 
 from trainer.checkpoint import CheckpointError
 from trainer.distributed import torch_compat
-from trainer.distributed.regroup import Regroup
+from trainer.distributed.regroup import Regroup, SmallerWorld
 from trainer.observability import logs
 from trainer.resume import resume, start_meters
-from trainer.run import Meters, Progress, Run
+from trainer.run import Meters, Progress, Run, build
 from trainer.runtime import fault, protocol
 
 log = logs.get_logger()
@@ -42,9 +46,11 @@ def peer_lost(error: BaseException) -> bool:
     return False
 
 
-def recover(run: Run, meters: Meters, progress: Progress, error: BaseException) -> tuple[Progress, Meters]:
-    """Survive a lost peer in place; returns the restored progress and fresh meters. Raises (ending the
-    process, so that the launcher restarts the group) when it cannot."""
+def recover(run: Run, meters: Meters, progress: Progress,
+            error: BaseException) -> tuple[Run, Progress, Meters]:
+    """Survive a lost peer in place; returns the run (rebuilt when the world got smaller), the restored
+    progress and fresh meters. Raises (ending the process, so that the launcher restarts the group) when
+    it cannot."""
     regroup: Regroup = run.regroup
     t_error = time.time()
     generation = regroup.generation + 1
@@ -52,22 +58,31 @@ def recover(run: Run, meters: Meters, progress: Progress, error: BaseException) 
     log.warning("a peer rank was lost (%s): recovering in process, generation %d", first_line, generation)
     # The old generation's times go at once: a record read mid-recovery must not pass for a resumed one.
     run.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0)
-    run.heartbeat.beat("recover", t_error=t_error)
+    run.heartbeat.beat("recover", t_error=t_error, recovering=generation)
     cut = regroup.leave()
     forget_the_step(run)
     abandon_background_work(run)
     close_meters(meters)
     run.preemption.restart_agreement()
     t_left = time.time()
-    regroup.announce(generation, "survivor")
-    publish_setup(run, regroup, generation)
-    arrived = regroup.wait_for_all(generation, stop=lambda: run.preemption.received)
+    try:
+        regroup.announce(generation, "survivor")
+        publish_setup(run, regroup, generation)
+        arrived = regroup.wait_for_all(generation, stop=lambda: run.preemption.received)
+    except dist.DistError as e:  # the launcher's store: its node is lost with the rendezvous
+        fault.stop_now(f"the launcher's store stopped answering during the in-process recovery of generation "
+                       f"{generation} ({type(e).__name__}: {str(e).splitlines()[0][:120]}): this rank cannot go on",
+                       protocol.EXIT_FAILED)
     if arrived is None:  # SIGTERM: no group to agree on an emergency checkpoint with
         fault.stop_now(f"SIGTERM during the in-process recovery of generation {generation}: no emergency "
                        f"checkpoint (the groups are not formed); the newest memory snapshot stays for the "
                        f"next launch", protocol.EXIT_PREEMPTED)
     t_joined = time.time()
-    rebind(run, regroup.reform(generation))
+    if isinstance(arrived, SmallerWorld):  # a node was lost: go on without it
+        run = rebuild_smaller(run, regroup, generation, arrived)
+        arrived = {}
+    else:
+        rebind(run, regroup.reform(generation))
     t_reformed = time.time()
     run.heartbeat.record.update(generation=generation)
     progress = resume(run)
@@ -77,11 +92,33 @@ def recover(run: Run, meters: Meters, progress: Progress, error: BaseException) 
     run.heartbeat.beat(None, in_process=True, generation=generation, t_error=t_error, t_left=t_left,
                        t_joined=t_joined, t_reformed=t_reformed, t_restored=t_restored, kept_pid=True,
                        replaced=replaced)
-    log.info("in-process recovery: generation %d with rank(s) %s replaced; resumed at step %d (%s): left the "
-             "groups in %.3fs (%d connection(s) shut), waited %.3fs for the ranks, re-formed in %.3fs, restored "
-             "in %.3fs", generation, replaced, progress.state.step, progress.resumed_tier, t_left - t_error, cut,
-             t_joined - t_left, t_reformed - t_joined, t_restored - t_reformed)
-    return progress, meters
+    log.info("in-process recovery: generation %d (world %d) with rank(s) %s replaced; resumed at step %d (%s): "
+             "left the groups in %.3fs (%d connection(s) shut), waited %.3fs for the ranks, re-formed in %.3fs, "
+             "restored in %.3fs", generation, run.info.world, replaced, progress.state.step, progress.resumed_tier,
+             t_left - t_error, cut, t_joined - t_left, t_reformed - t_joined, t_restored - t_reformed)
+    return run, progress, meters
+
+
+def rebuild_smaller(run: Run, regroup: Regroup, generation: int, world: SmallerWorld) -> Run:
+    """The launcher published a smaller world for `generation` (a node was lost under --nnodes MIN:MAX):
+    drop the run's model, optimizer, loader and tiers (built for the old world: FSDP2 shards by it), form
+    the default group at this rank's new rank, and build the run again in this process (imports, compiled
+    kernels' caches and the pid are kept). The state then comes from the memory tier resharded."""
+    old = run.info
+    log.warning("a node was lost: going on in process as rank %d of %d (was rank %d of %d)", world.rank,
+                world.world, old.rank, old.world)
+    for close in (run.loader.close, lambda: run.checkpointer.close(wait=False), run.memory and run.memory.close):
+        if close:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - the old world's: what matters is the new one
+                log.warning("while leaving the old world: %s: %s", type(e).__name__, e)
+    run.closed = True
+    regroup.reform_smaller(generation, world, old.backend, old.device)
+    os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.world))  # as a start in this world would see
+    info = replace(old, rank=world.rank, world=world.world)
+    logs.setup(rank=info.rank, verbose=info.is_main)
+    return build(run.cfg, info, run.heartbeat, run.preemption, run.stalls, regroup)
 
 
 def forget_the_step(run: Run) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -183,9 +184,9 @@ def test_a_second_job_on_the_same_run_dir_is_refused(cache_dir, tmp_path):
 
 def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir, tmp_path):
     """--nnodes 1:2, each node with its own memory directory: SIGKILL the second launcher (its rank dies
-    with it) and delete its memory (a lost node). The first resumes alone, with the same global batch, from
-    the 2-rank memory snapshot resharded from its own part and its peer copy of the lost one (a step or
-    two back; no durable checkpoint but the last)."""
+    with it) and delete its memory (a lost node). The first node's rank keeps its process and goes on alone
+    (in process, world 1), with the same global batch, from the 2-rank memory snapshot resharded from its
+    own part and its peer copy of the lost one (a step or two back; no durable checkpoint but the last)."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
     memory = {node: tmp_path / f"shm-{node}" for node in "ab"}
@@ -206,7 +207,12 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir,
     assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
     resume = next(e for e in read_events(tmp_path) if e["event"] == "resume")
     assert resume["tier"] == "memory-reshard" and resume["lost_steps"] <= 2 and resume["step"] >= 14, resume
+    assert (resume["path"], resume["replaced"]) == ("in-process", []) and resume["recovery_s"] < 15, resume
     assert "memory snapshot of 2 rank(s)" in out and "resharded to 1" in out, out[-3000:]
+    assert re.search(r"going on in process as rank 0 of 1 \(was rank [01] of 2\)", out), out[-3000:]
+    assert out.count("worker(s) started") == 1  # the rank kept its process
+    failure = next(e for e in read_events(tmp_path) if e["event"] == "failure")
+    assert (failure["cause"], failure["path"]) == ("node", "in-process") and failure["rank"] in (0, 1), failure
     assert read_metrics(tmp_path)[60]["step"] == 60
 
 

@@ -127,7 +127,7 @@ def test_a_checkpoint_store_that_does_not_answer_is_not_waited_for(tmp_path, mon
     accepts the request and never answers costs at most the timeout, and counts as not committed."""
     import time
 
-    from launch.supervisor import newest_commit
+    from launch.commits import newest_commit
     from trainer.checkpoint import commit
 
     monkeypatch.setattr(commit, "committed_steps", lambda root: time.sleep(30))

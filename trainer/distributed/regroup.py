@@ -42,6 +42,37 @@ class RejoinFailed(RuntimeError):
     """The ranks did not all come back within the bound: the launcher falls back to a full restart."""
 
 
+WORLD_KEY = "g{generation}/world"  # the launcher's smaller world for a generation: {"ranks": {old: new}}
+
+
+@dataclass(frozen=True)
+class SmallerWorld:
+    """A generation that goes on without the ranks of a lost node: this rank's new rank and the new size."""
+
+    rank: int
+    world: int
+
+
+def publish_smaller_world(store: dist.Store, generation: int, survivors: list[int]) -> dict[int, int]:
+    """The launcher's side: the ranks of `survivors` go on as ranks 0..n-1 (in their order) in
+    `generation`; returns old rank -> new rank."""
+    ranks = {old: new for new, old in enumerate(sorted(survivors))}
+    store.set(WORLD_KEY.format(generation=generation), json.dumps({"ranks": ranks}))
+    return ranks
+
+
+def arrived_ranks(store: dist.Store, generation: int, world: int) -> list[int]:
+    """The ranks that announced themselves for `generation` (the launcher's side)."""
+    return [r for r in range(world) if store.check([f"g{generation}/arrived/{r}"])]
+
+
+def coordination_store(where: str, run_id: str, restart: int, timeout_s: float) -> dist.Store:
+    """The store the ranks of one attempt (`restart`) coordinate on, at `where` (host:port)."""
+    host, _, port = where.rpartition(":")
+    client = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"rekindle/inproc/{run_id}/{restart}", client)
+
+
 def _open_sockets() -> dict[str, int]:
     """inode -> one fd of each open socket of this process."""
     found = {}
@@ -73,12 +104,9 @@ class Regroup:
         where = os.environ.get(COORD_STORE_ENV, "")
         if not where or world < 2:
             return None
-        host, _, port = where.rpartition(":")
-        client = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s))
-        prefix = f"rekindle/inproc/{os.environ.get(RUN_ID_ENV, '')}/{attempt()}"
-        skip = {int(port), int(os.environ.get("MASTER_PORT", "0") or 0)}
-        return cls(dist.PrefixStore(prefix, client), rank, world, int(os.environ.get(GENERATION_ENV, "0")),
-                   timeout_s, skip)
+        store = coordination_store(where, os.environ.get(RUN_ID_ENV, ""), attempt(), timeout_s)
+        skip = {int(where.rpartition(":")[2]), int(os.environ.get("MASTER_PORT", "0") or 0)}
+        return cls(store, rank, world, int(os.environ.get(GENERATION_ENV, "0")), timeout_s, skip)
 
     # ------------------------------------------------------------------ the groups' connections
     @contextmanager
@@ -129,14 +157,21 @@ class Regroup:
         self.store.set(f"g{generation}/arrived/{self.rank}", json.dumps({"who": who, "pid": os.getpid(),
                                                                           "t": time.time()}))
 
-    def wait_for_all(self, generation: int, stop: Callable[[], bool] = lambda: False) -> dict[int, dict] | None:
-        """Every rank's arrival record for `generation`; None as soon as `stop()` (a SIGTERM); RejoinFailed
-        after `timeout_s`."""
+    def wait_for_all(self, generation: int,
+                     stop: Callable[[], bool] = lambda: False) -> dict[int, dict] | SmallerWorld | None:
+        """Every rank's arrival record for `generation`; the smaller world the launcher published instead
+        (a node was lost); None as soon as `stop()` (a SIGTERM); RejoinFailed after `timeout_s`."""
         keys = [f"g{generation}/arrived/{r}" for r in range(self.world)]
+        world_key = WORLD_KEY.format(generation=generation)
         deadline = time.monotonic() + self.timeout_s
         while not self.store.check(keys):
             if stop():
                 return None
+            if self.store.check([world_key]):
+                ranks = {int(old): new for old, new in json.loads(self.store.get(world_key))["ranks"].items()}
+                if self.rank not in ranks:
+                    raise RejoinFailed(f"in-process recovery: rank {self.rank} is not in the smaller world {ranks}")
+                return SmallerWorld(ranks[self.rank], len(ranks))
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise RejoinFailed(f"in-process recovery: rank(s) {missing} did not come back within "
@@ -168,6 +203,17 @@ class Regroup:
         if renamed:
             raise RejoinFailed(f"in-process recovery: re-formed groups got other names than before: {renamed}")
         return mapping
+
+
+    def reform_smaller(self, generation: int, world: SmallerWorld, backend: str, device: torch.device) -> None:
+        """Destroy this process's groups and form the default group of `generation` in the smaller world
+        (this rank's new rank and size); the others are made again by whatever makes them (trainer.run.build)."""
+        self.generation, self.rank, self.world = generation, world.rank, world.world
+        dist.destroy_process_group()
+        with self.tracking():
+            dist.init_process_group(backend, store=self.group_store(generation), rank=world.rank,
+                                    world_size=world.world, timeout=timedelta(seconds=self.timeout_s),
+                                    device_id=device if backend == "nccl" else None)
 
 
 def _port(address) -> int:
