@@ -235,8 +235,9 @@ class Supervisor:
         decision = self.policy.decide(failure)
         if decision.restart:
             self._delay_s = decision.delay_s if path == "restart" else 0.0
-            what = "the failed rank(s) alone" if path == "in-process" else "the worker group"
-            log.info(f"restarting {what} (restart {self.policy.restarts} of {self.policy.max_restarts})")
+            what = ("going on without them" if failure.cause == "node" and path == "in-process" else
+                    f"restarting {'the failed rank(s) alone' if path == 'in-process' else 'the worker group'}")
+            log.info(f"{what} (restart {self.policy.restarts} of {self.policy.max_restarts})")
         else:
             self._decision = decision
             self.agent.stop_restarts()
