@@ -31,7 +31,7 @@ from trainer.contract import (
 
 # Every rank of this node recovering this long, with nobody to wait for but ranks of other nodes: their
 # node is lost (a crashed rank of a live node is replaced within a second: its launcher forks it warm).
-NODE_LOST_S = 1.5
+NODE_LOST_S = 1.0
 
 # A recovery takes about half a second here (a few on a slow machine, or with a cold replacement); one
 # not finished by then is stuck somewhere no bound of its own catches: the whole group restarts.

@@ -1,0 +1,120 @@
+"""A lost node, two ways, side by side in one run: lost node -> first resumed step on the node left.
+
+    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart] [--config configs/smoke.yaml]
+                                      [key=value ...]
+
+Each loss is a fresh job of two launchers on loopback (`--nnodes 1:2`, one rank each, each node with its
+own memory directory, memory tier every step): once both train, the second launcher and every process
+below it are SIGKILLed and its memory directory deleted (a lost node), and the first goes on alone. The
+modes: `inproc` (`fault.in_process=true`: the survivor keeps its process and goes on in a smaller world,
+launch/inprocess.py), `restart` (`fault.in_process=false`: the survivor's group restarts through a new
+rendezvous). Both restore the 2-rank memory snapshot resharded (memory-reshard). The modes alternate.
+
+Prints, per loss, the ledger's recovery (the survivor noticing -> its first step) and its split, the tier
+and the lost steps, the time from the SIGKILL to the first resumed step, and each mode's median and
+inproc / restart. On a shared machine compare the columns of one run, not numbers from different runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
+from trainer.testing import free_port, kill_tree
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"]}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/smoke.yaml")
+    p.add_argument("--losses", type=int, default=3, help="lost nodes per mode (a fresh job each)")
+    p.add_argument("--modes", default="inproc,restart", help="which modes: inproc, restart")
+    p.add_argument("--timeout", type=float, default=180, help="the most any one wait may take (s)")
+    p.add_argument("overrides", nargs="*", help="config overrides for every run")
+    args = p.parse_args()
+    args.modes = [m for m in args.modes.split(",") if m]
+    if unknown := [m for m in args.modes if m not in MODES]:
+        p.error(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+    return args
+
+
+def wait_until(what: str, check, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not check():
+        if time.time() > deadline:
+            raise RuntimeError(f"no {what} within {timeout:.0f}s")
+        time.sleep(0.01)
+
+
+def last_step(run_dir: Path) -> int:
+    records = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    return max((r["step"] for r in records if "step" in r), default=0)
+
+
+def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict:
+    """Two launchers, the second lost once both train; the survivor's resume event, with `kill_to_step_s`."""
+    run_dir, endpoint = out / label, f"127.0.0.1:{free_port()}"
+    procs = []
+    for node in ("a", "b"):
+        cmd = [sys.executable, "-m", "launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}",
+               f"--rdzv-id={label}", str(REPO / args.config), f"run.dir={run_dir}", "log.progress=false",
+               "train.eval_every=0", "train.steps=1000000", "checkpoint.every=100000", "checkpoint.memory_every=1",
+               f"checkpoint.memory_dir={out / (label + '-shm-' + node)}", *MODES[mode], *args.overrides]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(out / f"{label}-{node}.log").open("w"),
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+        if node == "a":
+            time.sleep(1.0)  # the first launcher hosts the rendezvous store
+    try:
+        wait_until("2-node training", lambda: last_step(run_dir) >= 20, args.timeout)
+        killed = time.time()
+        kill_tree(procs[1].pid)
+        shutil.rmtree(out / f"{label}-shm-b", ignore_errors=True)
+        wait_until("a resume", lambda: any(e["event"] == "resume" for e in read_events(run_dir)), args.timeout)
+        resume = next(e for e in read_events(run_dir) if e["event"] == "resume")
+        firsts = [b.get("t_first") or 0.0 for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values()]
+        first = max(firsts, default=0.0)  # the survivor's first step after the loss (its heartbeat's clock)
+        return {**resume, "mode": mode, "kill_to_step_s": first - killed if first > killed else float("nan")}
+    finally:
+        for proc in procs:
+            kill_tree(proc.pid)
+
+
+def main() -> int:
+    args = parse_args()
+    out = Path(tempfile.mkdtemp(prefix="bench-node-loss-"))
+    print(f"[bench_node_loss] modes {args.modes}, {args.losses} lost node(s) each, {args.config}, "
+          f"{os.cpu_count()} CPU cores, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    rows = []
+    for i in range(args.losses):
+        for mode in (args.modes if i % 2 == 0 else args.modes[::-1]):
+            row = one_loss(args, out, mode, f"{mode}-{i}")
+            rows.append(row)
+            print(f"[bench_node_loss] {mode} #{i}: kill -> first resumed step {row['kill_to_step_s']:.2f}s, "
+                  f"recovery {row['recovery_s']:.2f}s ({row['path']}, {row['tier']}, {row['lost_steps']} lost)",
+                  flush=True)
+    print(f"\n{'mode':>8} {'path':>11} {'kill->step':>11} {'recovery':>9} {'wait/restart':>13} {'load':>7} "
+          f"{'first step':>11} {'tier':>15} {'lost':>5}")
+    for r in rows:
+        waited = r.get("wait_s", r.get("restart_s", 0.0))
+        print(f"{r['mode']:>8} {r['path']:>11} {r['kill_to_step_s']:>10.2f}s {r['recovery_s']:>8.2f}s "
+              f"{waited:>12.2f}s {r['load_s']:>6.2f}s {r['first_step_s']:>10.2f}s {r['tier']:>15} {r['lost_steps']:>5}")
+    medians = {m: statistics.median(r["kill_to_step_s"] for r in rows if r["mode"] == m) for m in args.modes}
+    print("\nmedian lost node -> first resumed step: " + ", ".join(f"{m} {v:.2f}s" for m, v in medians.items()))
+    if {"inproc", "restart"} <= set(medians):
+        print(f"inproc / restart: {medians['inproc'] / medians['restart']:.2f}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; logs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
