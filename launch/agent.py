@@ -15,6 +15,7 @@ running group is healthy."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -194,6 +195,8 @@ class SupervisedAgent(LocalElasticAgent):
             if not self.hooks.signalled():
                 death_sig, timeout = death_sig or signal.SIGKILL, min(timeout, SURVIVOR_GRACE_S)
             close(death_sig, timeout)
+            for lr in self._victims:  # torchelastic reads their error files next: a torn one would raise
+                _drop_torn_error_file(pcontext.error_files[lr])
 
         pcontext.close = close_now
 
@@ -250,6 +253,7 @@ class SupervisedAgent(LocalElasticAgent):
             return
         exits = {}
         for lr, code in dead.items():
+            _drop_torn_error_file(pcontext.error_files[lr])
             failure = ProcessFailure(local_rank=lr, pid=handlers[lr].proc.pid, exitcode=code,
                                      error_file=pcontext.error_files[lr])
             exits[worker_group.workers[lr].global_rank] = _rank_exit(worker_group.workers[lr].global_rank, failure)
@@ -263,6 +267,20 @@ class SupervisedAgent(LocalElasticAgent):
                 entrypoint=pcontext.entrypoint, args=pcontext.args[lr], env={**pcontext.envs[lr], **extra_env},
                 stdout=pcontext.stdouts[lr], stderr=pcontext.stderrs[lr], local_rank_id=lr)
             worker_group.workers[lr].id = handlers[lr].proc.pid
+
+
+def _drop_torn_error_file(path: str) -> None:
+    """Remove a rank's error file that is not whole JSON: the rank was killed while writing it (a victim
+    of another rank's failure, caught writing its own). torchelastic's ProcessFailure raises on it, which
+    would end the agent; without the file the rank counts as killed, which it was."""
+    try:
+        with open(path) as f:
+            json.load(f)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _rank_exit(rank: int, pf) -> RankExit:
