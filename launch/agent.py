@@ -241,16 +241,24 @@ class SupervisedAgent(LocalElasticAgent):
     def _replace_failed(self, worker_group) -> None:
         """In-process recovery: before torchelastic sees a failed rank (it would stop the whole group),
         offer the failure to the supervisor; when it says so, start that rank again alone, in place in
-        torchelastic's process context, and leave the others running."""
+        torchelastic's process context, and leave the others running. Polls again after each round: a
+        rank that died meanwhile (while the replacement was being started) is offered too, as a second
+        failure, instead of reaching torchelastic unseen by the supervisor."""
+        for _ in range(len(worker_group.workers) + 1):
+            if not self._replace_once(worker_group):
+                return
+
+    def _replace_once(self, worker_group) -> bool:
+        """One round of `_replace_failed`; True when it started replacements (so, poll again)."""
         pcontext = self._pcontext
         handlers = getattr(pcontext, "subprocess_handlers", None)
         running = getattr(pcontext, "_running_local_ranks", None)
         if not handlers or running is None or self.hooks.signalled():
-            return
+            return False
         dead = {lr: handlers[lr].proc.poll() for lr in running}
         dead = {lr: code for lr, code in dead.items() if code not in (None, 0)}
         if not dead:
-            return
+            return False
         exits = {}
         for lr, code in dead.items():
             _drop_torn_error_file(pcontext.error_files[lr])
@@ -259,7 +267,7 @@ class SupervisedAgent(LocalElasticAgent):
             exits[worker_group.workers[lr].global_rank] = _rank_exit(worker_group.workers[lr].global_rank, failure)
         extra_env = self.hooks.replace_failed(exits)
         if extra_env is None:
-            return
+            return False
         for lr in dead:
             with contextlib.suppress(OSError):
                 os.remove(pcontext.error_files[lr])  # the replacement's own, if it fails
@@ -267,6 +275,7 @@ class SupervisedAgent(LocalElasticAgent):
                 entrypoint=pcontext.entrypoint, args=pcontext.args[lr], env={**pcontext.envs[lr], **extra_env},
                 stdout=pcontext.stdouts[lr], stderr=pcontext.stderrs[lr], local_rank_id=lr)
             worker_group.workers[lr].id = handlers[lr].proc.pid
+        return True
 
 
 def _drop_torn_error_file(path: str) -> None:

@@ -2,7 +2,9 @@
 rank keeps its process, its model, optimizer, data loader and compiled code. It leaves the failed
 generation's process groups, waits (bounded) for the launcher's replacement of the lost rank, re-forms
 the groups (trainer.distributed.regroup), restores the newest memory snapshot every rank has (at
-most the step in flight is redone), and goes on.
+most the step in flight is redone), and goes on. When a whole node is lost the launcher sends the
+survivors on in a smaller world instead: they keep the process but build the run again for it
+(`rebuild_smaller`), and restore the snapshot resharded.
 
 A replacement rank starts as any rank does (`trainer.loop.train`), but joins the generation the
 launcher names, and takes the run's settings from the survivors (`joining_setup`) instead of the

@@ -132,7 +132,8 @@ def test_a_second_failure_during_the_recovery_falls_back_to_a_full_restart(refer
 def test_sigterm_during_a_recovery_exits_75_at_once_and_the_next_launch_resumes_from_memory(cache_dir, tmp_path):
     """SIGTERM to the launcher right after a rank's death is noticed: whether it lands while the survivor
     waits for the replacement (no group to commit an emergency checkpoint with: it exits 75 at once) or
-    just after, the launcher exits 75 within seconds, and the next launch resumes from the memory snapshot."""
+    just after, the launcher exits 75 within seconds, and the next launch resumes from the memory snapshot (or
+    from the emergency checkpoint committed when the signal came after the recovery)."""
     run_dir = tmp_path / "run"
     overrides = ["train.steps=20", "checkpoint.every=100", "checkpoint.memory_every=1",
                  f"checkpoint.memory_dir={tmp_path / 'shm'}", "fault.preempt_grace_s=30"]
@@ -149,4 +150,7 @@ def test_sigterm_during_a_recovery_exits_75_at_once_and_the_next_launch_resumes_
     out = finish(again)
     assert again.returncode == 0, out[-4000:]
     resumed = int(out.split("resumed from step ")[1].split()[0])
-    assert resumed >= 9 and "memory snapshot" in out.split("resumed from step ")[1].splitlines()[0], out[-3000:]
+    line = out.split("resumed from step ")[1].splitlines()[0]
+    # From the memory snapshot; or, when the signal came just after the recovery, from the emergency
+    # checkpoint the ranks then committed (the snapshot of that step is no newer: the durable one is used).
+    assert resumed >= 9 and ("memory snapshot" in line or "saved by 2 rank(s)" in line), out[-3000:]

@@ -15,6 +15,9 @@ Why this shape:
   2.13), and a survivor blocked on another survivor never hears from the dead rank. So a rank leaves by
   shutting down its own gloo connections (the TCP sockets this module saw the groups open): its peers'
   reads fail at once, they leave in turn, and the failure reaches every rank in a few milliseconds.
+- A lost node (`--nnodes MIN:MAX`): the launcher publishes a smaller world for the generation instead of
+  waiting for replacements (`publish_smaller_world`); its survivors form the default group at their new
+  ranks (`reform_smaller`) and build the rest of the run again (trainer.recover).
 - The store is the launcher's (the rendezvous store, `COORD_STORE_ENV`): it outlives any rank, rank
   0 included. Keys live under `rekindle/inproc/<rendezvous run id>/<attempt>/<generation>/`.
 """
@@ -203,7 +206,6 @@ class Regroup:
         if renamed:
             raise RejoinFailed(f"in-process recovery: re-formed groups got other names than before: {renamed}")
         return mapping
-
 
     def reform_smaller(self, generation: int, world: SmallerWorld, backend: str, device: torch.device) -> None:
         """Destroy this process's groups and form the default group of `generation` in the smaller world
