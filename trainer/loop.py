@@ -20,7 +20,7 @@ from trainer.observability.metrics import BREAKDOWN, format_breakdown, with_othe
 from trainer.optim import lr_at, set_lr
 from trainer.records import exchange_records, log_record
 from trainer.resume import resume, start_meters
-from trainer.run import Meters, Progress, Run, build, hold_directories, release_leases
+from trainer.run import Meters, Progress, Run, build, hold_directories, release, release_leases
 from trainer.runtime import fault, host, protocol
 from trainer.runtime.lease import Lease
 from trainer.step import StepResult, micro_batches, train_step
@@ -213,20 +213,3 @@ def run_breakdown(run: Run, meters: Meters, step_time_s: float) -> dict[str, flo
     if meters.comm is None:
         breakdown.pop("comm_wait_s")
     return with_other({**breakdown, "step_time_s": step_time_s})
-
-
-def release(run: Run, meters: Meters | None, clean: bool = True) -> None:
-    """Close what the run holds, once: loader workers, the checkpointer (after an error, not waiting
-    for a background save: its peers may be gone), files, the progress bar, the collective timer."""
-    if run.closed:
-        return
-    run.closed = True
-    closers = [run.loader.close, lambda: run.checkpointer.close(wait=clean), run.memory and run.memory.close,
-               meters and (lambda: meters.metrics.close(clean)), meters and meters.comm and meters.comm.close]
-    for close in filter(None, closers):
-        try:
-            close()
-        except Exception as e:  # noqa: BLE001 - after an error, say so and keep closing: the error is what matters
-            if clean:
-                raise
-            log.warning("while stopping after an error: %s: %s", type(e).__name__, e)

@@ -25,7 +25,7 @@ from trainer.distributed import torch_compat
 from trainer.distributed.regroup import Regroup, SmallerWorld
 from trainer.observability import logs
 from trainer.resume import resume, start_meters
-from trainer.run import Meters, Progress, Run, build
+from trainer.run import Meters, Progress, Run, build, release
 from trainer.runtime import fault, protocol
 
 log = logs.get_logger()
@@ -109,13 +109,7 @@ def rebuild_smaller(run: Run, regroup: Regroup, generation: int, world: SmallerW
     old = run.info
     log.warning("a node was lost: going on in process as rank %d of %d (was rank %d of %d)", world.rank,
                 world.world, old.rank, old.world)
-    for close in (run.loader.close, lambda: run.checkpointer.close(wait=False), run.memory and run.memory.close):
-        if close:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001 - the old world's: what matters is the new one
-                log.warning("while leaving the old world: %s: %s", type(e).__name__, e)
-    run.closed = True
+    release(run, None, clean=False)  # the old world's loader and tiers (its meters are closed already)
     regroup.reform_smaller(generation, world, old.backend, old.device)
     os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.world))  # as a start in this world would see
     info = replace(old, rank=world.rank, world=world.world)

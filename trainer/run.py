@@ -180,6 +180,23 @@ def hold_directories(cfg: Config, info: parallel.DistInfo, alone: bool = False) 
     return leases
 
 
+def release(run: Run, meters: Meters | None, clean: bool = True) -> None:
+    """Close what the run holds, once: loader workers, the checkpointer (after an error, not waiting
+    for a background save: its peers may be gone), files, the progress bar, the collective timer."""
+    if run.closed:
+        return
+    run.closed = True
+    closers = [run.loader.close, lambda: run.checkpointer.close(wait=clean), run.memory and run.memory.close,
+               meters and (lambda: meters.metrics.close(clean)), meters and meters.comm and meters.comm.close]
+    for close in filter(None, closers):
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - after an error, say so and keep closing: the error is what matters
+            if clean:
+                raise
+            log.warning("while stopping after an error: %s: %s", type(e).__name__, e)
+
+
 def release_leases(leases: list[Lease], timeout_s: float = 10.0) -> None:
     """Remove this job's leases (best effort, bounded: storage that stopped answering must not keep the
     run from ending; a lease left behind is taken over by the next job)."""

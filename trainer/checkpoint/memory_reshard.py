@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.checkpoint.commit import TrainState
-from trainer.checkpoint.memory_state import listed_tensors, restore_hyper_parameters
+from trainer.checkpoint.memory_state import listed_tensors, make_optimizer_state, read_into, restore_hyper_parameters
 
 Parts = dict[int, tuple[Path, dict]]  # {old rank: (bin, header)}: every part of one step of the old world
 
@@ -63,10 +63,7 @@ def restore(parts: Parts, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     """Collective (over this world's `world` ranks): this rank's rows of every tensor of `parts` (every
     part of one step of the old world, verified) written in place, and the old hyper-parameters; returns
     the train state (its `world` is the old one)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    if not optimizer.state:
-        get_state_dict(model, optimizer)  # makes the optimizer's state (a step with lr 0), as DCP's load does
+    make_optimizer_state(model, optimizer)
     listed = listed_tensors(model, optimizer)
     tables = [{row[0]: row for row in parts[p][1]["tensors"]} for p in range(len(parts))]
     for part, table in enumerate(tables):
@@ -93,26 +90,15 @@ def restore(parts: Parts, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                 if not shape or sum(sizes) != shape[0] or any(r[2][1:] != shape[1:] for r in rows if r[4]):
                     raise ReshardError(f"{name}: shards {[r[2] for r in rows]} do not make {shape}")
             if not shape:
-                _read_into(files[0], rows[0][3], t)
+                read_into(files[0], rows[0][3], t)
                 continue
             start = row_offsets([n[i] for n in everyone])[rank] if s else 0
             offsets, row_bytes = row_offsets(sizes), t[0].numel() * t.element_size() if t.shape[0] else 0
             for part, lo, hi in overlaps(offsets, sizes, start, start + t.shape[0]):
-                _read_into(files[part], rows[part][3] + (lo - offsets[part]) * row_bytes, t[lo - start:hi - start])
+                read_into(files[part], rows[part][3] + (lo - offsets[part]) * row_bytes, t[lo - start:hi - start])
     finally:
         for f in files:
             f.close()
     restore_hyper_parameters(optimizer, parts[0][1]["param_groups"])
     return TrainState(**parts[0][1]["state"])
 
-
-def _read_into(f, at: int, dst: torch.Tensor) -> None:
-    """Copy the bytes at `at` of an open part into `dst` (rows of a tensor, on any device)."""
-    nbytes = dst.numel() * dst.element_size()
-    if not nbytes:
-        return
-    f.seek(at)
-    data = f.read(nbytes)
-    if len(data) != nbytes:
-        raise ReshardError(f"a part ends early: {len(data)} of {nbytes} bytes at offset {at}")
-    dst.copy_(torch.frombuffer(bytearray(data), dtype=dst.dtype).view(dst.shape))

@@ -85,6 +85,27 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+def make_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer its state tensors if it has none yet (a step with lr 0, as DCP's load does), so
+    that a restore has them to write into."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if not optimizer.state:
+        get_state_dict(model, optimizer)
+
+
+def read_into(f, at: int, dst: torch.Tensor) -> None:
+    """Copy the bytes at `at` of an open part into `dst` (a tensor or rows of one, on any device)."""
+    nbytes = dst.numel() * dst.element_size()
+    if not nbytes:
+        return
+    f.seek(at)
+    data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise ValueError(f"a part ends early: {len(data)} of {nbytes} bytes at offset {at}")
+    dst.copy_(torch.frombuffer(bytearray(data), dtype=dst.dtype).view(dst.shape))
+
+
 def restore_hyper_parameters(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
     """Put back what `hyper_parameters` kept (lists back to the tuples they were)."""
     for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
@@ -143,22 +164,16 @@ class PartLayout:
 def restore(binary: Path, header: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
     """Put a verified part back in place: tensors, hyper-parameters, RNG; returns its train state. The
     optimizer's state is made first if it has none yet."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    if not optimizer.state:
-        get_state_dict(model, optimizer)  # makes the optimizer's state (a step with lr 0), as DCP's load does
+    make_optimizer_state(model, optimizer)
     tensors = local_tensors(model, optimizer)
     table = header["tensors"]
     if [row[0] for row in table] != [name for name, _ in tensors]:
         raise ValueError("the snapshot's tensors are not this model's and optimizer's")
     with open(binary, "rb") as f:
-        for (name, dtype, shape, at, nbytes), (_, t) in zip(table, tensors, strict=True):
+        for (name, dtype, shape, at, _nbytes), (_, t) in zip(table, tensors, strict=True):
             if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
                 raise ValueError(f"{name}: snapshot {shape} {dtype}, here {list(t.shape)} {t.dtype}")
-            f.seek(at)
-            data = f.read(nbytes)
-            src = torch.frombuffer(bytearray(data), dtype=t.dtype).view(t.shape) if nbytes else t
-            t.copy_(src)
+            read_into(f, at, t)
     restore_hyper_parameters(optimizer, header["param_groups"])
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(header["rng"])), dtype=torch.uint8))
     return TrainState(**header["state"])
