@@ -1,9 +1,11 @@
 """The launcher: `python -m launch` supervises torchrun's elastic agent on each node.
 
     __main__     the command line; options: what it asked for (LaunchOptions)
-    supervisor   one node's launcher: composes the parts below, decides the outcome and exit code
+    supervisor   one node's launcher: composes the parts below
+    outcome      the exit code and its one line; commits: what the checkpoint store says was committed
     agent        torchrun's LocalElasticAgent with the supervisor's hooks (the only file touching its internals)
-    rendezvous   the c10d rendezvous (loopback-only store on one node) and the worker spec
+    rendezvous   the c10d rendezvous (loopback-only store on one node; an ordered endpoint list to move down
+                 when the node hosting one is lost) and the worker spec
     zygote, stub warm restarts: the fork server ranks are forked from, and the stub torchelastic starts
     failures     failure attribution: pure functions over what torchelastic reported
     watchdog     hang detection from the ranks' heartbeat records

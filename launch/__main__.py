@@ -15,14 +15,14 @@ log = logs.get_logger(root=logs.LAUNCHER)
 EPILOG = """exit codes: 0 done | 1 failed (restart budget spent, launcher error, or preempted without an
 emergency checkpoint) | 2 bad config or input | 3 crash loop (the same failure at the same step again and
 again) | 4 storage could not be used within storage.* (restarted with backoff until the budget is spent) |
-75 preempted, or the rendezvous endpoint's node lost (launch again to resume)
+75 preempted, or the node hosting the (last listed) rendezvous endpoint lost (launch again to resume)
 
 torchrun's spellings work (--nproc_per_node, --standalone, --rdzv-backend c10d, --node-rank, PET_*
 variables); its options that have no meaning here (--master-addr, --log-dir, ...) are refused by name.
 
 examples:
   python -m launch --nproc-per-node 2 configs/smoke.yaml
-  python -m launch --nnodes 1:2 --nproc-per-node 8 --rdzv-endpoint node0:29400 configs/llama-1b.yaml"""
+  python -m launch --nnodes 1:2 --nproc-per-node 8 --rdzv-endpoint node0:29400,node1:29401 configs/llama-1b.yaml"""
 
 
 def _env(name: str, default):
@@ -96,7 +96,8 @@ def parse_args(argv: list[str]):
     p.add_argument(*_spellings("--rdzv-backend"), dest="rdzv_backend", default=_env("RDZV_BACKEND", "c10d"),
                    help="c10d, the only rendezvous backend (as torchrun's default)")
     p.add_argument(*_spellings("--rdzv-endpoint"), dest="rdzv_endpoint", default=_env("RDZV_ENDPOINT", ""),
-                   help="HOST:PORT of the c10d rendezvous (default: this node alone, on 127.0.0.1)")
+                   help="HOST:PORT of the c10d rendezvous (default: this node alone, on 127.0.0.1); a list "
+                        "HOST:PORT,HOST:PORT,... in order: when the node hosting one is lost, the others move on")
     p.add_argument(*_spellings("--rdzv-id"), dest="rdzv_id", default=_env("RDZV_ID", ""),
                    help="job id shared by all nodes (default: from run.name and run.dir)")
     p.add_argument(*_spellings("--rdzv-conf"), dest="rdzv_conf", default=_env("RDZV_CONF", ""),

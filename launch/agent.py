@@ -100,11 +100,14 @@ class SupervisedAgent(LocalElasticAgent):
         self._victims: set[int] = set()  # local ranks still alive when the group was torn down
 
     # ------------------------------------------------------------------ the supervisor's interface
-    def supervise(self) -> bool:
-        """Run worker groups until one succeeds (True) or no restart is left (False). Raises `Stopping`
-        when a signal arrived between groups."""
+    def supervise(self) -> str:
+        """Run worker groups until one succeeds ("succeeded") or no restart is left ("failed"); "closed" when
+        the others closed the rendezvous while this node waited to join (torchelastic returns nothing then).
+        Raises `Stopping` when a signal arrived between groups."""
         result = self.run()
-        return result is not None and result.state == WorkerState.SUCCEEDED
+        if result is None:
+            return "closed"
+        return "succeeded" if result.state == WorkerState.SUCCEEDED else "failed"
 
     def worker_pids(self) -> dict[int, int]:
         """Local rank -> pid of the current group ({} between groups)."""

@@ -1,12 +1,19 @@
 """How this node meets the others: torchrun's c10d dynamic rendezvous with the settings torchrun would
 use for the launcher's options, and the worker spec that runs `python -m trainer` under it. On a
 loopback endpoint (one node, the default) the rendezvous store listens on that address only; torch's
-own would listen on every interface."""
+own would listen on every interface.
+
+`--rdzv-endpoint` may be an ordered list, `HOST:PORT,HOST:PORT,...`: the store lives in the launcher of
+the node at the current endpoint, so when that node is lost the other launchers move down the list to
+the next one, whose node hosts a fresh store, and the group restarts there (`launch.supervisor`). A
+launcher that starts while the job runs (a replacement node) asks the later endpoints first
+(`first_answering`): the job may have moved on already."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -44,12 +51,36 @@ def run_id(name: str, directory: str, standalone: bool) -> str:
     return "rekindle-" + hashlib.sha256(f"{name}:{directory}:{salt}".encode()).hexdigest()[:12]
 
 
-def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: int, warm: bool = False) -> WorkerSpec:
-    """torchrun's worker spec for `python -m trainer CONFIG OVERRIDES` on this node, with its rendezvous.
+def endpoints(value: str) -> list[str]:
+    """--rdzv-endpoint's list, in the order the nodes move down it (empty: this node alone)."""
+    return [e.strip() for e in value.split(",") if e.strip()]
+
+
+PROBE_S = 0.3  # how long a starting launcher waits for each later endpoint to answer
+
+
+def first_answering(listed: list[str], timeout_s: float = PROBE_S) -> int:
+    """Where a starting launcher meets the others: the first of the later endpoints where a store listens
+    (the job moved down the list after losing a node, and this launcher replaces it), else the first
+    endpoint (the job's first start). A single endpoint is never asked."""
+    for i, endpoint in enumerate(listed[1:], start=1):
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError:  # refused, unreachable or silent: nobody hosts it
+            continue
+        return i
+    return 0
+
+
+def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: int, warm: bool = False,
+                at: int = 0) -> tuple[WorkerSpec, bool]:
+    """torchrun's worker spec for `python -m trainer CONFIG OVERRIDES` on this node, with its rendezvous
+    at the `at`-th endpoint of --rdzv-endpoint, and whether this node hosts that rendezvous's store.
     `warm`: each rank starts as launch/stub.py, which has the launcher's fork server (launch.zygote) fork
     the trainer (or runs the plain one when it cannot)."""
     standalone = not opts.rdzv_endpoint
-    endpoint = opts.rdzv_endpoint or STANDALONE_ENDPOINT
+    endpoint = endpoints(opts.rdzv_endpoint)[at] if opts.rdzv_endpoint else STANDALONE_ENDPOINT
     host, _ = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
     local_addr = opts.local_addr or ("127.0.0.1" if is_loopback(host) else None)
     params = RendezvousParameters(
@@ -60,9 +91,11 @@ def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # -S: the stub needs the standard library only (no site packages to scan: a few hundredths of a second).
     command = ("-S", STUB_PATH) if warm else ("-u", "-m", "trainer")
+    rdzv, hosted = handler(params)
     return WorkerSpec(role="trainer", local_world_size=opts.nproc_per_node, entrypoint=sys.executable,
-                      args=(*command, opts.config_path, *opts.overrides), rdzv_handler=handler(params),
-                      max_restarts=max_restarts, monitor_interval=opts.monitor_interval_s, local_addr=local_addr)
+                      args=(*command, opts.config_path, *opts.overrides), rdzv_handler=rdzv,
+                      max_restarts=max_restarts, monitor_interval=opts.monitor_interval_s,
+                      local_addr=local_addr), hosted
 
 
 def store_lost(error: BaseException) -> bool:
@@ -80,17 +113,30 @@ def store_lost(error: BaseException) -> bool:
     return False
 
 
-def handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's c10d rendezvous; on a loopback endpoint its store listens on that address only,
-    hosted by the first launcher to bind it (the others on this machine connect to it)."""
+def handler(params: RendezvousParameters) -> tuple[RendezvousHandler, bool]:
+    """torchrun's c10d rendezvous, and whether this node hosts its store. On a loopback endpoint the
+    store listens on that address only, hosted by the first launcher to bind it (the others on this
+    machine connect to it); elsewhere torch hosts it on the node the endpoint's address belongs to."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     if not is_loopback(host):
         os.environ[COORD_STORE_ENV] = f"{host}:{port}"  # the ranks' store for in-process recovery
-        return rdzv_registry.get_rendezvous_handler(params)
+        return rdzv_registry.get_rendezvous_handler(params), _is_this_machine(host)
     timeout = timedelta(seconds=int(params.get("read_timeout", "60")))
+    hosted = True
     try:
         store = tcp_store_server(host, port, None, timeout, multi_tenant=True)
     except OSError:  # taken: another launcher on this machine hosts the rendezvous
-        store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+        store, hosted = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout), False
     os.environ[COORD_STORE_ENV] = f"{host}:{store.port}"
-    return dynamic_rendezvous.create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    return dynamic_rendezvous.create_handler(store, C10dRendezvousBackend(store, params.run_id), params), hosted
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether `host` names an address of this machine (as torch decides who hosts a c10d store)."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket() as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False

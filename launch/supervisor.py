@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from launch import failures, rendezvous
+from launch import failures, outcome, rendezvous
 from launch.agent import GroupStatus, SupervisedAgent
 from launch.commits import newest_commit
 from launch.failures import Failure
@@ -36,8 +36,6 @@ from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
 from launch.zygote import Zygote, kill_group
 from trainer.contract import (
     COORD_STORE_ENV,
-    EXIT_FAILED,
-    EXIT_OK,
     EXIT_PREEMPTED,
     HEARTBEAT_DIR_ENV,
     JOB_ENV,
@@ -88,7 +86,10 @@ class Supervisor:
         self._next_check = 0.0
         self._recorded = False  # the failed group's failure is in the ledger already (in-process path)
         self._succeeded = False
+        self._closed = False  # the rendezvous was closed by the others before this node took part
+        self._final: int | None = None  # the job's final committed step once asked (0: not committed)
         self._error: BaseException | None = None
+        self._endpoint = ""  # the rendezvous endpoint in use (--rdzv-endpoint may list several)
 
     # ------------------------------------------------------------------ agent hooks (agent thread)
     def signalled(self) -> bool:
@@ -256,28 +257,22 @@ class Supervisor:
     # ------------------------------------------------------------------ main thread
     def run(self) -> int:
         """Supervise the training run on this node to its end; returns the launcher's exit code."""
-        os.environ[HEARTBEAT_DIR_ENV] = str(self.heartbeat_dir)
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        os.environ.update({HEARTBEAT_DIR_ENV: str(self.heartbeat_dir), LAUNCHER_PID_ENV: str(os.getpid())})
         if self.opts.job:
             os.environ[JOB_ENV] = self.opts.job  # the ranks of this job share its leases (trainer.runtime.lease)
         o = self.opts
-        warm = self.zygote is not None
-        spec = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir, self.policy.max_restarts, warm=warm)
-        if not (self.inproc.enabled or self.inproc.smaller):  # (the rendezvous handler names its store for the ranks)
-            os.environ.pop(COORD_STORE_ENV, None)
-        self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
+        listed = rendezvous.endpoints(o.rdzv_endpoint)
+        at = rendezvous.first_answering(listed) if len(listed) > 1 else 0
         self.ledger.event("start", nproc_per_node=o.nproc_per_node, nnodes=f"{o.min_nodes}:{o.max_nodes}",
                           max_restarts=self.policy.max_restarts, config=o.config_path, overrides=o.overrides,
-                          warm_restarts=warm)
+                          warm_restarts=self.zygote is not None)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
         try:
-            if warm:
+            if self.zygote is not None:
                 self._use_zygote()
-            thread.start()
-            self._wait_for(thread)
-            beats = self.watchdog.beats(self.attempt)  # the last word of this node's ranks, for the outcome
-            if beats:
+            while self._meet_at(at) and self._job_finished() is None and at + 1 < len(listed):
+                at = self._move_down(listed, at)
+            if beats := self.watchdog.beats(self.attempt):  # the last word of this node's ranks, for the outcome
                 self._observe(beats[min(beats)])
         finally:
             for s, handler in previous.items():
@@ -286,6 +281,36 @@ class Supervisor:
             if self.zygote is not None:
                 self.zygote.close()
         return self._finish()
+
+    def _meet_at(self, at: int) -> bool:
+        """Run worker groups with the rendezvous at the `at`-th endpoint until the job ends here; True when
+        it ended because that endpoint's store stopped answering (its node is lost)."""
+        o = self.opts
+        self._endpoint = rendezvous.endpoints(o.rdzv_endpoint)[at] if o.rdzv_endpoint else "127.0.0.1"
+        try:
+            spec, hosted = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir,
+                                          self.policy.max_restarts - self.policy.restarts,
+                                          warm=self.zygote is not None, at=at)
+        except Exception as e:  # noqa: BLE001 - the next endpoint's node may be lost too
+            self._error = e
+            return rendezvous.store_lost(e)
+        if not (self.inproc.enabled or self.inproc.smaller):  # (the rendezvous handler names its store for the ranks)
+            os.environ.pop(COORD_STORE_ENV, None)
+        self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
+        self.ledger.event("rendezvous", endpoint=self._endpoint, index=at, hosted=hosted)
+        thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
+        thread.start()
+        self._wait_for(thread)
+        return self.preempt_at is None and self._error is not None and rendezvous.store_lost(self._error)
+
+    def _move_down(self, listed: list[str], at: int) -> int:
+        """The store at endpoint `at` is lost with its node: go on at the next one (the group restarts there,
+        from the newest state). Returns its index."""
+        self._error, self._interrupted = None, (time.time(), "rendezvous host lost")
+        log.info(f"the rendezvous endpoint {listed[at]} stopped answering (the node hosting it is lost): moving "
+                 f"to {listed[at + 1]}, the next one of --rdzv-endpoint")
+        self.ledger.event("rendezvous_lost", endpoint=listed[at], next=listed[at + 1])
+        return at + 1
 
     def _use_zygote(self) -> None:
         """Point the stubs at the fork server (launch.zygote) and wait until it listens. Its import
@@ -297,7 +322,8 @@ class Supervisor:
 
     def _run_agent(self) -> None:
         try:
-            self._succeeded = self.agent.supervise()
+            ended = self.agent.supervise()
+            self._succeeded, self._closed = ended == "succeeded", ended == "closed"
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             self._error = e
         finally:
@@ -340,39 +366,26 @@ class Supervisor:
 
     def _outcome(self) -> tuple[int, str]:
         """The exit code and one line saying why."""
-        if self._succeeded:
-            return EXIT_OK, "done"
-        if self.preempt_at is not None:
+        if self.preempt_at is not None and not self._succeeded:
             return self._preempted_outcome()
-        if self._error is not None:
-            if rendezvous.store_lost(self._error):
-                return EXIT_PREEMPTED, (f"the rendezvous endpoint {self.opts.rdzv_endpoint} stopped answering (the "
-                                        f"node hosting it is lost): launch again to resume from the newest state")
-            return EXIT_FAILED, f"launcher error: {type(self._error).__name__}: {self._error}"
-        if self._decision is not None:
-            return self._decision.exit_code, self._decision.reason.splitlines()[0]
-        return EXIT_FAILED, "failed"
+        gone = self._closed or self._error is not None and rendezvous.store_lost(self._error)
+        return outcome.ended(self._succeeded, self._closed, self._error, self._decision, self._endpoint,
+                             len(rendezvous.endpoints(self.opts.rdzv_endpoint)), bool(self.ledger.attempts),
+                             self._job_finished() if gone else None)
+
+    def _job_finished(self) -> int | None:
+        """The final step, when the checkpoint store holds its commit: the job is over (asked once the
+        rendezvous is gone: its host may simply have finished, with this node a spare or a late one)."""
+        if self._final is None:
+            newest = newest_commit(self.cfg.checkpoint_dir, 10.0)
+            self._final = newest[0] if newest is not None and newest[0] >= self.cfg.train.steps else 0
+        return self._final or None
 
     def _preempted_outcome(self) -> tuple[int, str]:
-        """EXIT_PREEMPTED (launch again to resume: Slurm's requeue), always: a preempted job stays
-        requeueable. The line says where the next launch resumes: the run's state is safe in a committed
-        checkpoint when the newest commit holds every step trained (the emergency checkpoint) or the running
-        group trained nothing (the signal came during a rendezvous, a backoff, a start-up or a resume);
-        otherwise the steps trained since the last commit could not be committed within the grace period
-        (storage that stopped answering) and are trained again."""
-        left = max(self.preempt_at + self.cfg.fault.preempt_grace_s - time.time() - 0.2, 0.5)  # what is left
-        newest = newest_commit(self.cfg.checkpoint_dir, left)
-        if newest is not None:
-            self._committed_step = newest[0]  # the same on every node, whatever step its ranks had reached
         attempt = self.ledger.attempts[-1] if self.ledger.attempts else None
-        trained = attempt.last_step if attempt else 0
-        if newest is not None and (newest[0] >= trained or newest[1] >= self.preempt_at):
-            return EXIT_PREEMPTED, "preempted"
-        if not self._ranks_at_signal or attempt is None or attempt.steps_run == 0:
-            return EXIT_PREEMPTED, "preempted (nothing was trained since the last commit)"
-        return EXIT_PREEMPTED, (f"preempted, but no emergency checkpoint of step {trained} was committed within "
-                                f"fault.preempt_grace_s={self.cfg.fault.preempt_grace_s:g}s: the next launch "
-                                f"resumes from the last commit" + (f" (step {newest[0]})" if newest else ""))
+        line, self._committed_step = outcome.preempted(self.cfg.checkpoint_dir, self.cfg.fault.preempt_grace_s,
+                                                       self.preempt_at, self._ranks_at_signal, attempt)
+        return EXIT_PREEMPTED, line
 
     def _finish(self) -> int:
         code, outcome = self._outcome()

@@ -150,19 +150,6 @@ def test_crash_loop_stops_early_with_its_own_exit_code_and_names_the_cause(cache
     assert sum(e["event"] == "restart" for e in events) == 2
 
 
-def test_two_launchers_train_one_job_over_loopback_rendezvous(cache_dir, tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
-    args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes"]
-    nodes = [launch(tmp_path, ["train.steps=20", "checkpoint.every=10"], nproc=1, extra_args=args) for _ in range(2)]
-    outs = [finish(p) for p in nodes]
-    for p, out in zip(nodes, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    log = "".join(outs)
-    assert "world 2 (gloo" in log, log[-3000:]
-    assert read_metrics(tmp_path)[20]["step"] == 20
-    assert json.loads((tmp_path / "checkpoints" / "step-00000020" / "COMMIT.json").read_text())["world"] == 2
-
-
 def test_a_second_job_on_the_same_run_dir_is_refused(cache_dir, tmp_path):
     """Two standalone launchers on one run.dir would resume from each other's checkpoints: the second
     is refused at once (exit 2, naming the first) and writes nothing; once the first is SIGKILLed, its
@@ -236,6 +223,61 @@ def test_losing_the_node_that_hosts_the_rendezvous_exits_75_in_one_line(cache_di
     assert "frame #" not in out and "launcher error" not in out, out[-4000:]
     done = read_events(tmp_path)[-1]
     assert done["event"] == "done" and done["exit_code"] == 75, done
+
+
+def test_the_job_moves_down_the_endpoint_list_when_the_rendezvous_host_is_lost(cache_dir, tmp_path):
+    """`--rdzv-endpoint A,B`: two launchers meet at A, hosted by the first. SIGKILL it with everything below
+    it: the other moves to B (hosting it now), goes on alone (`--nnodes 1:2`) from the newest state and
+    finishes (exit 0), with no C++ stack frames; the ledger names the host, the loss and the move."""
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={first},{second}", "--rdzv-id=host-moves"]
+    overrides = ["train.steps=60", "checkpoint.every=20", "checkpoint.memory_every=1", "train.eval_every=0"]
+    host = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    time.sleep(1.0)  # the first launcher hosts the rendezvous store
+    guest = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    wait_for_step(tmp_path, 8)
+    kill_tree(host.pid)
+    lost = time.time()
+    out = finish(guest, timeout=120)
+    assert guest.returncode == 0, out[-4000:]
+    assert f"the rendezvous endpoint {first} stopped answering" in out and f"moving to {second}" in out, out[-4000:]
+    assert "frame #" not in out and "launcher error" not in out, out[-4000:]
+    events = read_events(tmp_path)
+    meetings = [(e["endpoint"], e["hosted"]) for e in events if e["event"] == "rendezvous"]
+    assert meetings == [(first, True), (first, False), (second, True)], meetings
+    moved = [e for e in events if e["event"] == "rendezvous_lost"]
+    assert [(e["endpoint"], e["next"]) for e in moved] == [(first, second)], moved
+    resume = next(e for e in events if e["event"] == "resume" and e["time"] > lost)
+    assert resume["lost_steps"] <= 1, resume
+    assert events[-1]["event"] == "done" and events[-1]["exit_code"] == 0, events[-1]
+    assert read_metrics(tmp_path)[60]["step"] == 60
+
+
+def test_two_launchers_train_one_job_and_a_spare_beyond_max_nodes_exits_0_in_one_line(cache_dir, tmp_path):
+    """`--nnodes 2` over a loopback rendezvous: two launchers train one job (world 2). A third, started once
+    they train, waits (torch's redundancy list, its fork server up) and, when the job ends, exits 0 saying
+    so in one line, with no store error and no C++ stack frames."""
+    args = ["--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes"]
+    overrides = ["train.steps=30", "checkpoint.every=15", "train.eval_every=0", "fault.straggler_factor=0"]
+    slow = {"REKINDLE_SLOW_RANK": "0:0.5@1-16"}  # a window of 8 s for the spare to start in
+    nodes = [launch(tmp_path, overrides, nproc=1, extra_args=args, env=slow) for _ in range(2)]
+    wait_for_step(tmp_path, 2)
+    spare = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    deadline = time.time() + 60  # the spare's start (imports), then into the rendezvous
+    while sum(e["event"] == "rendezvous" for e in read_events(tmp_path)) < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert all(p.poll() is None for p in [*nodes, spare]), "the job ended before the spare waited"
+    outs = [finish(p, timeout=120) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert "world 2 (gloo" in "".join(outs), outs
+    assert json.loads((tmp_path / "checkpoints" / "step-00000030" / "COMMIT.json").read_text())["world"] == 2
+    out = finish(spare, timeout=60)
+    assert spare.returncode == 0, out[-3000:]
+    assert "the job finished (step 30 committed) while this node waited to join: nothing left to do here" in out, \
+        out[-3000:]
+    assert "frame #" not in out and "Traceback" not in out and "launcher error" not in out, out[-3000:]
+    assert "worker(s) started" not in out, out[-3000:]
 
 
 def test_signal_during_the_backoff_stops_the_launcher_at_once(cache_dir, tmp_path):

@@ -108,6 +108,32 @@ def test_rendezvous_settings_and_ids():
     assert job != rendezvous.run_id("demo", "runs/other", standalone=False)
     assert rendezvous.run_id("demo", "runs/demo", standalone=True) != rendezvous.run_id("demo", "runs/demo", True)
 
+def test_a_starting_launcher_meets_the_others_where_a_store_listens():
+    """--rdzv-endpoint A,B,C: the first start meets at A; a launcher replacing a lost node meets at the
+    first later endpoint where something listens (the job moved down the list)."""
+    import socket
+    import time
+
+    from launch.rendezvous import endpoints, first_answering
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    free = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    closed = [f"127.0.0.1:{s.getsockname()[1]}" for s in free]
+    for s in free:
+        s.close()
+    there = f"127.0.0.1:{listening.getsockname()[1]}"
+    try:
+        assert endpoints(f" {closed[0]}, {closed[1]},{there} ") == [closed[0], closed[1], there]
+        assert endpoints("") == []
+        started = time.monotonic()
+        assert first_answering([closed[0], closed[1], there]) == 2
+        assert first_answering([closed[0], closed[1]]) == 0  # nobody anywhere: the job's first start
+        assert first_answering([there]) == 0  # one endpoint is never asked
+        assert time.monotonic() - started < 3
+    finally:
+        listening.close()
+
+
 def test_kubernetes_recipe_is_an_elastic_pytorchjob():
     docs = list(yaml.safe_load_all((REPO / "launch" / "cluster" / "pytorchjob.yaml").read_text()))
     job = next(d for d in docs if d and d.get("kind") == "PyTorchJob")
