@@ -1,14 +1,21 @@
-"""A lost node, two ways, side by side in one run: lost node -> first resumed step on the node left.
+"""A lost node, four ways, side by side in one run: lost node -> first resumed step on the node left.
 
-    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart] [--config configs/smoke.yaml]
-                                      [key=value ...]
+    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,host]
+                                      [--config configs/smoke.yaml] [key=value ...]
 
 Each loss is a fresh job of two launchers on loopback (`--nnodes 1:2`, one rank each, each node with its
 own memory directory, memory tier every step): once both train, the second launcher and every process
 below it are SIGKILLed and its memory directory deleted (a lost node), and the first goes on alone. The
-modes: `inproc` (`fault.in_process=true`: the survivor keeps its process and goes on in a smaller world,
-launch/inprocess.py), `restart` (`fault.in_process=false`: the survivor's group restarts through a new
-rendezvous). Both restore the 2-rank memory snapshot resharded (memory-reshard). The modes alternate.
+modes:
+- `inproc` (`fault.in_process=true`): the survivor keeps its process and goes on in a smaller world
+  (launch/inprocess.py);
+- `restart` (`fault.in_process=false`): the survivor's group restarts through a new rendezvous;
+- `spare`: as inproc, with a third launcher started beyond --nnodes MAX once both train (a spare,
+  waiting warm); after the survivor goes on alone, the spare joins at the next rendezvous and the world is
+  whole again: also timed, lost node -> first step of the whole world;
+- `host`: the lost node is the first launcher, the one hosting the rendezvous store, with
+  `--rdzv-endpoint A,B`: the survivor moves to B and its group restarts there.
+Each restores the 2-rank memory snapshot resharded (memory-reshard). The modes alternate.
 
 Prints, per loss, the ledger's recovery (the survivor noticing -> its first step) and its split, the tier
 and the lost steps, the time from the SIGKILL to the first resumed step, and each mode's median and
@@ -30,14 +37,15 @@ from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
 from trainer.testing import free_port, kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"]}
+MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"],
+         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"]}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/smoke.yaml")
     p.add_argument("--losses", type=int, default=3, help="lost nodes per mode (a fresh job each)")
-    p.add_argument("--modes", default="inproc,restart", help="which modes: inproc, restart")
+    p.add_argument("--modes", default="inproc,restart,spare,host", help="which modes: inproc, restart, spare, host")
     p.add_argument("--timeout", type=float, default=180, help="the most any one wait may take (s)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = p.parse_args()
@@ -60,32 +68,55 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in records if "step" in r), default=0)
 
 
+def first_step_after(run_dir: Path, since: float) -> float:
+    """The newest first step (heartbeat clock) any rank of the job took after `since`; nan before one."""
+    firsts = [b.get("t_first") or 0.0 for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values()]
+    first = max(firsts, default=0.0)
+    return first - since if first > since else float("nan")
+
+
+def resumes_after(run_dir: Path, since: float) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == "resume" and e["time"] > since]
+
+
 def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict:
-    """Two launchers, the second lost once both train; the survivor's resume event, with `kill_to_step_s`."""
-    run_dir, endpoint = out / label, f"127.0.0.1:{free_port()}"
-    procs = []
-    for node in ("a", "b"):
+    """Two launchers (and a spare), one lost once both train; the survivor's resume event, with
+    `kill_to_step_s` (and for a spare `kill_to_whole_s`: until the world of two trains again)."""
+    run_dir = out / label
+    endpoint = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2 if mode == "host" else 1))
+    procs = {}
+
+    def start(node: str) -> None:
         cmd = [sys.executable, "-m", "launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}",
                f"--rdzv-id={label}", str(REPO / args.config), f"run.dir={run_dir}", "log.progress=false",
                "train.eval_every=0", "train.steps=1000000", "checkpoint.every=100000", "checkpoint.memory_every=1",
                f"checkpoint.memory_dir={out / (label + '-shm-' + node)}", *MODES[mode], *args.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(out / f"{label}-{node}.log").open("w"),
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-        if node == "a":
-            time.sleep(1.0)  # the first launcher hosts the rendezvous store
+        procs[node] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(out / f"{label}-{node}.log").open("w"),
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+
+    start("a")
+    time.sleep(1.0)  # the first launcher hosts the rendezvous store
+    start("b")
     try:
         wait_until("2-node training", lambda: last_step(run_dir) >= 20, args.timeout)
+        if mode == "spare":
+            start("spare")
+            wait_until("the spare waiting", lambda: sum(e["event"] == "rendezvous" for e in read_events(run_dir)) >= 3,
+                       args.timeout)
+            time.sleep(1.0)  # in the rendezvous's redundancy list
+        lost = "a" if mode == "host" else "b"
         killed = time.time()
-        kill_tree(procs[1].pid)
-        shutil.rmtree(out / f"{label}-shm-b", ignore_errors=True)
-        wait_until("a resume", lambda: any(e["event"] == "resume" for e in read_events(run_dir)), args.timeout)
-        resume = next(e for e in read_events(run_dir) if e["event"] == "resume")
-        firsts = [b.get("t_first") or 0.0 for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values()]
-        first = max(firsts, default=0.0)  # the survivor's first step after the loss (its heartbeat's clock)
-        return {**resume, "mode": mode, "kill_to_step_s": first - killed if first > killed else float("nan")}
+        kill_tree(procs[lost].pid)
+        shutil.rmtree(out / f"{label}-shm-{lost}", ignore_errors=True)
+        wait_until("a resume", lambda: resumes_after(run_dir, killed), args.timeout)
+        row = {**resumes_after(run_dir, killed)[0], "mode": mode, "kill_to_step_s": first_step_after(run_dir, killed)}
+        if mode == "spare":
+            wait_until("the spare joining", lambda: len(resumes_after(run_dir, killed)) >= 2, args.timeout)
+            row["kill_to_whole_s"] = first_step_after(run_dir, killed)
+        return row
     finally:
-        for proc in procs:
+        for proc in procs.values():
             kill_tree(proc.pid)
 
 
@@ -110,6 +141,9 @@ def main() -> int:
               f"{waited:>12.2f}s {r['load_s']:>6.2f}s {r['first_step_s']:>10.2f}s {r['tier']:>15} {r['lost_steps']:>5}")
     medians = {m: statistics.median(r["kill_to_step_s"] for r in rows if r["mode"] == m) for m in args.modes}
     print("\nmedian lost node -> first resumed step: " + ", ".join(f"{m} {v:.2f}s" for m, v in medians.items()))
+    if whole := [r["kill_to_whole_s"] for r in rows if "kill_to_whole_s" in r]:
+        print(f"spare: median lost node -> first step of the whole world again (the spare in) "
+              f"{statistics.median(whole):.2f}s ({', '.join(f'{w:.2f}s' for w in whole)})")
     if {"inproc", "restart"} <= set(medians):
         print(f"inproc / restart: {medians['inproc'] / medians['restart']:.2f}")
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; logs in {out}")

@@ -2,6 +2,8 @@
 # GPU check, at most 8 minutes on one GPU: NCCL process group, bf16 mixed precision, per-block
 # compile and fused AdamW on the Llama-1B-shaped model (configs/llama-1b.yaml) on the built-in
 # corpus; prints the matmul peak, tokens/s, MFU and peak memory, and the date and GPU to record.
+# With 2 GPUs or more, then in-process recovery with NCCL (scripts/gpu_inprocess_check.py: a rank
+# SIGKILLed, the others keep their processes; at most 4 minutes); with one GPU it says it was skipped.
 #
 #   bash scripts/gpu_check.sh [key=value ...]          # e.g. train.micro_batch=8 on a 141 GB H200
 #   CONFIG=configs/gpt2-124m.yaml STEPS=300 bash scripts/gpu_check.sh
@@ -75,4 +77,9 @@ print(f"gpu_check: final loss {records[-1]['loss']:.3f}, eval {records[-1].get('
       f"{statistics.median(r['optim_s'] for r in steady):.3f} + data {statistics.median(r['data_wait_s'] for r in steady):.3f}"
       f" | peak mem {records[-1]['mem_mb']:,.0f} MB")
 PY
+# In-process recovery with NCCL: the communicators aborted and formed again (needs 2 GPUs or more).
+irc=0
+timeout --kill-after=30 240 "$PY" scripts/gpu_inprocess_check.py --gpus "$NGPU" || irc=$?
+[ "$irc" -eq 2 ] && irc=0  # fewer than 2 GPUs: skipped, and said
+[ "$rc" -ne 0 ] || rc=$irc
 exit "$rc"
