@@ -2,6 +2,7 @@
 
     __main__     the command line; options: what it asked for (LaunchOptions)
     supervisor   one node's launcher: composes the parts below
+    nodes        its multi-node part: the endpoint list, and verdicts on silent nodes (liveness: the counters)
     outcome      the exit code and its one line; commits: what the checkpoint store says was committed
     agent        torchrun's LocalElasticAgent with the supervisor's hooks (the only file touching its internals)
     rendezvous   the c10d rendezvous (loopback-only store on one node; an ordered endpoint list to move down

@@ -149,6 +149,14 @@ class SupervisedAgent(LocalElasticAgent):
     def run_id(self) -> str:
         return self.spec.rdzv_handler.get_run_id()
 
+    def group(self) -> tuple[str, int, int] | None:
+        """The running worker group: its store's address (new each rendezvous round), this node's rank in
+        it and its number of nodes; None between groups."""
+        g = self._worker_group
+        if g.group_rank is None or g.master_addr is None:
+            return None
+        return f"{g.master_addr}:{g.master_port}", g.group_rank, g.group_world_size
+
     def nodes_waiting(self) -> int:
         return self.spec.rdzv_handler.num_nodes_waiting()
 

@@ -29,7 +29,7 @@ def ended(succeeded: bool, closed: bool, error: BaseException | None, decision: 
     if lost:
         last = " (the last of --rdzv-endpoint)" if listed > 1 else ""
         return EXIT_PREEMPTED, (f"the rendezvous endpoint {endpoint}{last} stopped answering (the node hosting it "
-                                f"is lost): launch again to resume from the newest state")
+                                f"is lost, or this one cut off from it): launch again to resume from the newest state")
     if error is not None:
         return EXIT_FAILED, f"launcher error: {type(error).__name__}: {error}"
     if decision is not None:

@@ -1,7 +1,6 @@
 """How this node meets the others: torchrun's c10d dynamic rendezvous with the settings torchrun would
-use for the launcher's options, and the worker spec that runs `python -m trainer` under it. On a
-loopback endpoint (one node, the default) the rendezvous store listens on that address only; torch's
-own would listen on every interface.
+use for the launcher's options, and the worker spec that runs `python -m trainer` under it. The
+rendezvous store listens on the endpoint's address only (torch's own would listen on every interface).
 
 `--rdzv-endpoint` may be an ordered list, `HOST:PORT,HOST:PORT,...`: the store lives in the launcher of
 the node at the current endpoint, so when that node is lost the other launchers move down the list to
@@ -12,6 +11,7 @@ launcher that starts while the job runs (a replacement node) asks the later endp
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import socket
 import sys
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, dynamic_rendezvous
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -114,29 +113,39 @@ def store_lost(error: BaseException) -> bool:
 
 
 def handler(params: RendezvousParameters) -> tuple[RendezvousHandler, bool]:
-    """torchrun's c10d rendezvous, and whether this node hosts its store. On a loopback endpoint the
-    store listens on that address only, hosted by the first launcher to bind it (the others on this
-    machine connect to it); elsewhere torch hosts it on the node the endpoint's address belongs to."""
+    """torchrun's c10d rendezvous, and whether this node hosts its store. The store is hosted by the
+    first launcher to bind the endpoint's address on the machine that address belongs to, and listens on
+    that address only (torch's own would listen on every interface); the others connect to it. torch's
+    own choice of host compares the address with the host name's, which fails for a node in a network
+    namespace or with several interfaces: binding decides here."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    if not is_loopback(host):
-        os.environ[COORD_STORE_ENV] = f"{host}:{port}"  # the ranks' store for in-process recovery
-        return rdzv_registry.get_rendezvous_handler(params), _is_this_machine(host)
     timeout = timedelta(seconds=int(params.get("read_timeout", "60")))
-    hosted = True
-    try:
-        store = tcp_store_server(host, port, None, timeout, multi_tenant=True)
-    except OSError:  # taken: another launcher on this machine hosts the rendezvous
-        store, hosted = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout), False
-    os.environ[COORD_STORE_ENV] = f"{host}:{store.port}"
+    address, store = local_address(host), None
+    if address is not None:
+        try:
+            store = tcp_store_server(address, port, None, timeout, multi_tenant=True)
+        except OSError:  # taken: another launcher on this machine hosts the rendezvous
+            pass
+    hosted = store is not None
+    if store is None:
+        store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+    os.environ[COORD_STORE_ENV] = f"{host}:{store.port}"  # the ranks' store for in-process recovery
     return dynamic_rendezvous.create_handler(store, C10dRendezvousBackend(store, params.run_id), params), hosted
 
 
-def _is_this_machine(host: str) -> bool:
-    """Whether `host` names an address of this machine (as torch decides who hosts a c10d store)."""
+def local_address(host: str) -> str | None:
+    """What to listen on when `host` is this machine (its address can be bound here), else None: an IP
+    address or a loopback name, that address alone; another name, every interface (as torch), since
+    the other nodes may reach it by another address than this machine's resolver gives (Debian maps
+    its own host name to 127.0.1.1)."""
     try:
         address = socket.gethostbyname(host)
         with socket.socket() as s:
             s.bind((address, 0))
-        return True
     except OSError:
-        return False
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return address if is_loopback(host) else ""
+    return address

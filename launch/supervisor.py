@@ -29,6 +29,7 @@ from launch.commits import newest_commit
 from launch.failures import Failure
 from launch.inprocess import RECOVERY_BOUND_S, InProcessRecovery
 from launch.ledger import Ledger, format_summary, resume_line
+from launch.nodes import Meeting
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
 from launch.stub import ZYGOTE_ENV
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 HANG_EXIT_WAIT_S = 10.0  # a hung rank SIGKILLed alone: how long its exit may take to reach the agent
 
 
-class Supervisor:
+class Supervisor(Meeting):
     """One node's launcher: runs the agent, watches heartbeats, applies the restart policy, keeps the
     ledger and decides the exit code. Its agent hooks run on the agent's thread, the rest on the main one."""
 
@@ -89,7 +90,6 @@ class Supervisor:
         self._closed = False  # the rendezvous was closed by the others before this node took part
         self._final: int | None = None  # the job's final committed step once asked (0: not committed)
         self._error: BaseException | None = None
-        self._endpoint = ""  # the rendezvous endpoint in use (--rdzv-endpoint may list several)
 
     # ------------------------------------------------------------------ agent hooks (agent thread)
     def signalled(self) -> bool:
@@ -112,6 +112,7 @@ class Supervisor:
         interrupted, self._interrupted = self._interrupted, None
         self.ledger.attempt_started(attempt, *(interrupted or (None, "")))
         log.info(f"attempt {attempt}: {len(pids)} worker(s) started, pids {sorted(pids.values())}")
+        self._join_liveness()
 
     def before_restart(self, attempt: int, membership: bool) -> float:
         """The old group is stopped: log the restart and say how long to back off."""
@@ -174,6 +175,8 @@ class Supervisor:
                 self._on_failure(*failures.from_exits(status.exits, set(status.victims), beats, self._last_step()))
             self._recorded = False
         elif status.state == "healthy":
+            if self._silent_nodes():
+                return True
             if stuck := self.inproc.overdue(now):
                 why = f"the in-process recovery of generation {stuck.generation} did not finish within " \
                       f"{RECOVERY_BOUND_S:.0f}s"
@@ -213,6 +216,7 @@ class Supervisor:
         if why or self._decision is not None:
             return True
         self.inproc.go_smaller(generation, noticed, kept, lost)
+        self._join_liveness(generation)
         self.ledger.attempt_started(self.attempt, noticed, "failure", path="in-process")
         log.info(f"in-process recovery, generation {generation}: the ranks here go on as a world of "
                  f"{len(kept)} without rank(s) {lost}")
@@ -282,36 +286,6 @@ class Supervisor:
                 self.zygote.close()
         return self._finish()
 
-    def _meet_at(self, at: int) -> bool:
-        """Run worker groups with the rendezvous at the `at`-th endpoint until the job ends here; True when
-        it ended because that endpoint's store stopped answering (its node is lost)."""
-        o = self.opts
-        self._endpoint = rendezvous.endpoints(o.rdzv_endpoint)[at] if o.rdzv_endpoint else "127.0.0.1"
-        try:
-            spec, hosted = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir,
-                                          self.policy.max_restarts - self.policy.restarts,
-                                          warm=self.zygote is not None, at=at)
-        except Exception as e:  # noqa: BLE001 - the next endpoint's node may be lost too
-            self._error = e
-            return rendezvous.store_lost(e)
-        if not (self.inproc.enabled or self.inproc.smaller):  # (the rendezvous handler names its store for the ranks)
-            os.environ.pop(COORD_STORE_ENV, None)
-        self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
-        self.ledger.event("rendezvous", endpoint=self._endpoint, index=at, hosted=hosted)
-        thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
-        thread.start()
-        self._wait_for(thread)
-        return self.preempt_at is None and self._error is not None and rendezvous.store_lost(self._error)
-
-    def _move_down(self, listed: list[str], at: int) -> int:
-        """The store at endpoint `at` is lost with its node: go on at the next one (the group restarts there,
-        from the newest state). Returns its index."""
-        self._error, self._interrupted = None, (time.time(), "rendezvous host lost")
-        log.info(f"the rendezvous endpoint {listed[at]} stopped answering (the node hosting it is lost): moving "
-                 f"to {listed[at + 1]}, the next one of --rdzv-endpoint")
-        self.ledger.event("rendezvous_lost", endpoint=listed[at], next=listed[at + 1])
-        return at + 1
-
     def _use_zygote(self) -> None:
         """Point the stubs at the fork server (launch.zygote) and wait until it listens. Its import
         overlaps the launcher's own and the first stubs' start (they wait for it)."""
@@ -337,6 +311,8 @@ class Supervisor:
         while thread.is_alive():
             thread.join(0.2)
             if self.preempt_at is None:
+                if self._cut_off():
+                    return
                 continue
             if self._hard_stop:
                 self.agent.kill()

@@ -1,0 +1,115 @@
+"""Whether the launchers of a multi-node job still hear each other, through the rendezvous store: each
+launcher counts up a key of its own there every `INTERVAL_S`, and reads the counters of the other
+launchers of its worker group. Two verdicts, each after `LOST_S` of silence:
+
+- `cut_off()`: this launcher's own store connection has not answered (a partition around this node, or
+  the node hosting the store is lost). Its ranks sit in collectives that never end; the launcher stops
+  them and moves down the endpoint list or exits 75 (launch.supervisor).
+- `silent()`: the store answers, but the counter of another launcher of the group stopped (that node is
+  cut off or lost). The ranks here wait in collectives with its ranks, which (on a partition) fail only
+  at the collective timeout: the launcher restarts its group without that node at once.
+
+Why the store: it is the one place every node reaches, and torch's own keep-alives are private to its
+rendezvous. A counter, not a timestamp: the nodes' clocks need not agree. The thread uses one
+connection of its own with a short timeout and never reconnects: a store that stopped answering once is
+treated as gone (reconnecting would print torch's C++ errors, with stack frames, on every try)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+INTERVAL_S = 0.5  # how often each launcher counts up (and reads the others)
+LOST_S = 5.0  # silence after which a launcher, or the store, is lost
+KEY = "rekindle/alive/{node}"
+MEMBER_KEY = "rekindle/members/{group}/{rank}"  # group: the worker group's store address (new each round)
+
+
+class Liveness:
+    """One launcher's side: `start` on the rendezvous store at `where` (host:port), `join` each new worker
+    group, ask `cut_off` and `silent`, `stop` at the end."""
+
+    def __init__(self, where: str, node: str, interval_s: float = INTERVAL_S, lost_s: float = LOST_S) -> None:
+        self.where, self.node, self.interval_s, self.lost_s = where, node, interval_s, lost_s
+        self._lock = threading.Lock()
+        self._group: tuple[str, int, int] | None = None  # (group id, this node's rank, group size)
+        self._members: dict[int, str] = {}  # group rank -> node, as they appear
+        self._heard: dict[str, tuple[str, float]] = {}  # node -> (its counter, when it last changed, our clock)
+        self._answered = time.monotonic()  # the store's last answer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
+
+    def start(self) -> Liveness:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, group: str, rank: int, size: int) -> None:
+        """A new worker group (`group`: its store's address, unique per round): watch its other nodes."""
+        with self._lock:
+            self._group, self._members = (group, rank, size), {}
+
+    def cut_off(self) -> float:
+        """Seconds the store has not answered, once that is `lost_s` or more (else 0)."""
+        quiet = time.monotonic() - self._answered
+        return quiet if quiet >= self.lost_s else 0.0
+
+    def silent(self) -> list[str]:
+        """The other nodes of the current group whose counter has not moved for `lost_s` (the store answering)."""
+        now = time.monotonic()
+        if now - self._answered > self.interval_s * 4:  # our own view is stale: no verdict on others
+            return []
+        with self._lock:
+            return sorted(node for node in self._members.values() if node != self.node and node in self._heard
+                          and now - self._heard[node][1] >= self.lost_s)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        host, _, port = self.where.rpartition(":")
+        try:
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.interval_s * 4))
+        except Exception:  # noqa: BLE001 - unreachable from the start: cut_off() says so in time
+            return
+        count = 0
+        while not self._stop.wait(self.interval_s):
+            try:
+                count += 1
+                store.set(KEY.format(node=self.node), str(count))
+                self._register(store)
+                self._listen(store)
+            except Exception:  # noqa: BLE001 - a store that stopped answering: cut_off() says so in time
+                return
+            self._answered = time.monotonic()
+
+    def _register(self, store: TCPStore) -> None:
+        with self._lock:
+            group = self._group
+        if group is None:
+            return
+        name, rank, size = group
+        store.set(MEMBER_KEY.format(group=name, rank=rank), self.node)
+        found = {}
+        for r in range(size):
+            key = MEMBER_KEY.format(group=name, rank=r)
+            if r not in self._members and store.check([key]):
+                found[r] = store.get(key).decode()
+        with self._lock:
+            if self._group == group:
+                self._members.update(found)
+
+    def _listen(self, store: TCPStore) -> None:
+        with self._lock:
+            nodes = [n for n in self._members.values() if n != self.node]
+        if not nodes:
+            return
+        now = time.monotonic()
+        for node in nodes:
+            key = KEY.format(node=node)
+            counter = store.get(key).decode() if store.check([key]) else ""
+            if counter and self._heard.get(node, ("", 0.0))[0] != counter:
+                self._heard[node] = (counter, now)

@@ -1,0 +1,138 @@
+"""The supervisor's multi-node part (`launch.supervisor` mixes it in): where this node meets the others,
+moving down the `--rdzv-endpoint` list when the node hosting the store is lost, and whether the nodes of
+its group still hear each other (`launch.liveness`), which turns a partition into a bounded verdict:
+
+- this node cannot reach the store for `liveness.LOST_S`: its ranks are stopped, and it moves down the
+  list (a new store must answer within `MOVE_WAIT_S`) or, the list spent, exits 75;
+- the store answers but nodes of the group went silent: with a strict majority of the group still
+  answering, the group restarts without them at once (their ranks would otherwise hold the collectives
+  until the collective timeout); without one this node stops (exit 75), so that two sides of a partition
+  never both train and commit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from launch import rendezvous
+from launch.agent import SupervisedAgent
+from launch.failures import Failure
+from launch.liveness import Liveness
+from launch.policy import Decision
+from trainer.contract import COORD_STORE_ENV, EXIT_PREEMPTED
+
+log = logging.getLogger(__name__)
+
+MOVE_WAIT_S = 10.0  # how long a launcher moving down the list waits for the next endpoint's store to listen
+
+
+class Meeting:
+    """Mixed into the Supervisor (it provides opts, cfg, policy, zygote, inproc, ledger, agent, _run_agent,
+    _wait_for, _on_failure, _last_step, and the fields set here)."""
+
+    liveness: Liveness | None = None
+    _endpoint = ""  # the rendezvous endpoint in use (--rdzv-endpoint may list several)
+
+    def _meet_at(self, at: int) -> bool:
+        """Run worker groups with the rendezvous at the `at`-th endpoint until the job ends here; True when
+        it ended because that endpoint's store stopped answering (its node is lost, or this one cut off)."""
+        o = self.opts
+        self._endpoint = rendezvous.endpoints(o.rdzv_endpoint)[at] if o.rdzv_endpoint else "127.0.0.1"
+        try:
+            if at:
+                _wait_for_store(self._endpoint, MOVE_WAIT_S)
+            spec, hosted = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir,
+                                                  self.policy.max_restarts - self.policy.restarts,
+                                                  warm=self.zygote is not None, at=at)
+        except Exception as e:  # noqa: BLE001 - the next endpoint's node may be lost too
+            self._error = e
+            return rendezvous.store_lost(e)
+        if o.max_nodes > 1:
+            self.liveness = Liveness(os.environ[COORD_STORE_ENV], self.ledger.node).start()
+        if not (self.inproc.enabled or self.inproc.smaller):  # (the rendezvous handler names its store for the ranks)
+            os.environ.pop(COORD_STORE_ENV, None)
+        self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
+        self.ledger.event("rendezvous", endpoint=self._endpoint, index=at, hosted=hosted)
+        thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
+        thread.start()
+        try:
+            self._wait_for(thread)
+        finally:
+            if self.liveness is not None:
+                self.liveness.stop()
+        return self.preempt_at is None and self._error is not None and rendezvous.store_lost(self._error)
+
+    def _move_down(self, listed: list[str], at: int) -> int:
+        """The store at endpoint `at` is lost with its node: go on at the next one (the group restarts there,
+        from the newest state). Returns its index."""
+        self._error, self._interrupted = None, (time.time(), "rendezvous host lost")
+        log.info(f"the rendezvous endpoint {listed[at]} stopped answering (the node hosting it is lost, or this "
+                 f"one cut off): moving to {listed[at + 1]}, the next one of --rdzv-endpoint")
+        self.ledger.event("rendezvous_lost", endpoint=listed[at], next=listed[at + 1])
+        return at + 1
+
+    def _join_liveness(self, generation: int = 0) -> None:
+        """Watch the nodes of the group just started (or of the smaller world it went on in)."""
+        if self.liveness is not None and (group := self.agent.group()) is not None:
+            name, rank, size = group
+            self.liveness.join(f"{name}/g{generation}", rank, size)
+
+    def _cut_off(self) -> bool:
+        """On the main thread: the store has not answered for liveness.LOST_S. Stop the ranks and end this
+        meeting as a lost store (the agent's thread may be blocked in a call to it for a minute more)."""
+        quiet = self.liveness.cut_off() if self.liveness is not None and self._error is None else 0.0
+        if not quiet:
+            return False
+        log.info(f"the rendezvous store at {self._endpoint} has not answered for {quiet:.0f}s: this node is cut "
+                 f"off from it, or its node is lost; stopping the ranks here")
+        self.ledger.event("partition", cut_off=self.ledger.node, endpoint=self._endpoint, quiet_s=round(quiet, 1))
+        self.agent.kill()
+        self._error = RendezvousConnectionError(f"the rendezvous store at {self._endpoint} did not answer for "
+                                                f"{quiet:.0f}s")
+        return True
+
+    def _silent_nodes(self) -> bool:
+        """In review: nodes of the group went silent. True restarts the group without them (or, without a
+        strict majority answering, ends this node: exit 75)."""
+        silent = self.liveness.silent() if self.liveness is not None else []
+        group = self.agent.group() if silent else None
+        if group is None:
+            return False
+        size = group[2]
+        live = size - len(silent)
+        self.ledger.event("partition", silent=silent, live=live, group_size=size)
+        if live * 2 <= size:
+            reason = (f"this node is cut off: only {live} of the group's {size} node(s) answer (not a majority; "
+                      f"silent: {', '.join(silent)}): stopping without committing, launch again to resume")
+            self._decision = Decision(False, exit_code=EXIT_PREEMPTED, reason=reason)
+            self.agent.stop_restarts()
+            log.info(reason)
+            return True
+        self._on_failure(Failure(0, "node", self._last_step() + 1, key="node silent",
+                                 message=f"the launcher(s) of {', '.join(silent)} stopped answering for "
+                                         f"{self.liveness.lost_s:.0f}s: cut off or lost"), "")
+        return True
+
+
+def _wait_for_store(endpoint: str, timeout_s: float) -> None:
+    """Wait until something listens at `endpoint` (the node moving there first hosts it); a node that can
+    bind the address hosts it itself and does not wait. RendezvousConnectionError after `timeout_s`."""
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=rendezvous.DEFAULT_PORT)
+    if rendezvous.local_address(host) is not None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RendezvousConnectionError(f"no rendezvous store at {endpoint} within {timeout_s:.0f}s") \
+                    from None
+            time.sleep(0.2)
