@@ -43,7 +43,8 @@ def last_step(run_dir: Path) -> int:
 def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     with netns.Network(3) as net:
-        endpoints = f"{net.address(0)}:29400,{net.address(1)}:29401"
+        first, second = f"{net.address(0)}:29400", f"{net.address(1)}:29401"
+        endpoints = f"{first},{second}"
         procs, logs = [], [tmp_path / f"node{i}.log" for i in range(3)]
         for i in range(3):
             cmd = [sys.executable, "-m", "launch", "--nnodes=1:3", "--nproc-per-node=1", f"--rdzv-endpoint={endpoints}",
@@ -92,9 +93,11 @@ def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_
             out = logs[1].read_text()
         assert procs[1].returncode == 0, out[-4000:]
         assert procs[2].returncode == 75, logs[2].read_text()[-3000:]  # cut off: it stopped by itself
+        done = [e for e in events() if e["event"] == "done" and e["node"] == nodes[2]]
+        assert [e["exit_code"] for e in done] == [75] and f"the rendezvous endpoint {second} (the last of " \
+            "--rdzv-endpoint) stopped answering" in done[0]["outcome"], done
         moved = [e for e in events() if e["event"] == "rendezvous_lost" and e["time"] > removed]
-        assert [(e["node"], e["next"]) for e in moved] == [(nodes[1], endpoints.split(",")[1])], moved
-        first, second = endpoints.split(",")
+        assert [(e["node"], e["next"]) for e in moved] == [(nodes[1], second)], moved
         hosts = [(e["node"], e["endpoint"], e["hosted"]) for e in events() if e["event"] == "rendezvous"]
         assert hosts[0] == (nodes[0], first, True) and hosts[-1] == (nodes[1], second, True), hosts
         assert last_step(run_dir) == 100 > before

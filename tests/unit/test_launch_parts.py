@@ -134,6 +134,29 @@ def test_a_starting_launcher_meets_the_others_where_a_store_listens():
         listening.close()
 
 
+def test_how_a_launcher_ends_is_one_line_with_its_exit_code():
+    """launch.outcome: a lost rendezvous store is a requeue (75) naming the endpoint, never exit 1; a job that
+    finished elsewhere (its final step committed) is exit 0 for a spare; the rest as before."""
+    from torch.distributed import DistNetworkError
+
+    from launch.outcome import ended
+    from launch.policy import Decision
+
+    lost = DistNetworkError("Broken pipe")
+    assert ended(True, False, None, None, "h:1", 1, True, None) == (0, "done")
+    code, line = ended(False, False, lost, None, "h:2", 2, True, None)
+    assert code == 75 and line.startswith("the rendezvous endpoint h:2 (the last of --rdzv-endpoint) stopped "
+                                          "answering") and "\n" not in line
+    assert "(the last of" not in ended(False, False, lost, None, "h:1", 1, True, None)[1]
+    assert ended(False, True, None, None, "h:1", 1, False, 40) == (
+        0, "the job finished (step 40 committed) while this node waited to join: nothing left to do here")
+    assert ended(False, False, lost, None, "h:1", 1, True, 40)[0] == 0
+    assert ended(False, True, None, None, "h:1", 1, False, None)[0] == 1
+    assert ended(False, False, RuntimeError("x"), None, "h:1", 1, True, None) == (1, "launcher error: RuntimeError: x")
+    stop = Decision(False, exit_code=3, reason="loop\nmore")
+    assert ended(False, False, None, stop, "h:1", 1, True, None) == (3, "loop")
+
+
 def test_kubernetes_recipe_is_an_elastic_pytorchjob():
     docs = list(yaml.safe_load_all((REPO / "launch" / "cluster" / "pytorchjob.yaml").read_text()))
     job = next(d for d in docs if d and d.get("kind") == "PyTorchJob")
