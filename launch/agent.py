@@ -157,6 +157,15 @@ class SupervisedAgent(LocalElasticAgent):
             return None
         return f"{g.master_addr}:{g.master_port}", g.group_rank, g.group_world_size
 
+    def waiting_as_spare(self) -> bool:
+        """Whether this node waits in the rendezvous's redundancy list (the job has its --nnodes MAX nodes):
+        torch's private state, read as it stands (False when torch moved it)."""
+        handler = self.spec.rdzv_handler
+        try:
+            return handler._this_node in handler._state_holder.state.redundancy_list
+        except AttributeError:
+            return False
+
     def nodes_waiting(self) -> int:
         return self.spec.rdzv_handler.num_nodes_waiting()
 

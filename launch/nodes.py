@@ -38,6 +38,22 @@ class Meeting:
 
     liveness: Liveness | None = None
     _endpoint = ""  # the rendezvous endpoint in use (--rdzv-endpoint may list several)
+    _spare_since: float | None = None  # when this node was first seen waiting as a spare
+
+    def _note_spare(self) -> None:
+        """On the main thread, between groups: say once that this node waits as a spare."""
+        if self._spare_since is None and not self.ledger.attempts and self.agent.waiting_as_spare():
+            self._spare_since = time.time()
+            log.info("the job has its --nnodes MAX nodes: this node waits as a spare (its fork server ready) and "
+                     "joins at the next rendezvous after a node is lost")
+            self.ledger.event("spare_waiting", endpoint=self._endpoint)
+
+    def _note_joined(self) -> None:
+        """The first group this launcher starts: a spare joining says so."""
+        if self._spare_since is not None and len(self.ledger.attempts) == 1:
+            waited = time.time() - self._spare_since
+            log.info(f"this spare joins the job after waiting {waited:.1f}s")
+            self.ledger.event("spare_joined", waited_s=round(waited, 1))
 
     def _meet_at(self, at: int) -> bool:
         """Run worker groups with the rendezvous at the `at`-th endpoint until the job ends here; True when

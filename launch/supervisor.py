@@ -113,6 +113,7 @@ class Supervisor(Meeting):
         self.ledger.attempt_started(attempt, *(interrupted or (None, "")))
         log.info(f"attempt {attempt}: {len(pids)} worker(s) started, pids {sorted(pids.values())}")
         self._join_liveness()
+        self._note_joined()
 
     def before_restart(self, attempt: int, membership: bool) -> float:
         """The old group is stopped: log the restart and say how long to back off."""
@@ -313,6 +314,7 @@ class Supervisor(Meeting):
             if self.preempt_at is None:
                 if self._cut_off():
                     return
+                self._note_spare()
                 continue
             if self._hard_stop:
                 self.agent.kill()

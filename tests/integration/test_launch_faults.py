@@ -242,9 +242,8 @@ def test_two_launchers_train_one_job_and_a_spare_beyond_max_nodes_exits_0_in_one
     wait_for_step(tmp_path, 2)
     spare = launch(tmp_path, overrides, nproc=1, extra_args=args)
     deadline = time.time() + 60  # the spare's start (imports), then into the rendezvous
-    while sum(e["event"] == "rendezvous" for e in read_events(tmp_path)) < 3 and time.time() < deadline:
+    while not any(e["event"] == "spare_waiting" for e in read_events(tmp_path)) and time.time() < deadline:
         time.sleep(0.1)
-    time.sleep(0.5)
     assert all(p.poll() is None for p in [*nodes, spare]), "the job ended before the spare waited"
     outs = [finish(p, timeout=120) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs
@@ -255,7 +254,7 @@ def test_two_launchers_train_one_job_and_a_spare_beyond_max_nodes_exits_0_in_one
     assert "the job finished (step 30 committed) while this node waited to join: nothing left to do here" in out, \
         out[-3000:]
     assert "frame #" not in out and "Traceback" not in out and "launcher error" not in out, out[-3000:]
-    assert "worker(s) started" not in out, out[-3000:]
+    assert "worker(s) started" not in out and "this node waits as a spare" in out, out[-3000:]
 
 
 def test_signal_during_the_backoff_stops_the_launcher_at_once(cache_dir, tmp_path):
