@@ -13,7 +13,7 @@ modes:
 - `spare`: as inproc, with a third launcher started beyond --nnodes MAX once both train (a spare,
   waiting warm); after the survivor goes on alone, the spare joins at the next rendezvous and the world is
   whole again: also timed, lost node -> first step of the whole world;
-- `host`: the lost node is the first launcher, the one hosting the rendezvous store, with
+- `host`: the lost node is the one hosting the rendezvous store (the other one otherwise), with
   `--rdzv-endpoint A,B`: the survivor moves to B and its group restarts there.
 Each restores the 2-rank memory snapshot resharded (memory-reshard). The modes alternate.
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import free_port, kill_tree
+from trainer.testing import free_port, kill_tree, rendezvous_host
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"],
@@ -96,7 +96,7 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
                                        stderr=subprocess.STDOUT, start_new_session=True)
 
     start("a")
-    time.sleep(1.0)  # the first launcher hosts the rendezvous store
+    time.sleep(1.0)  # within the rendezvous's last call (3 s): both take part
     start("b")
     try:
         wait_until("2-node training", lambda: last_step(run_dir) >= 20, args.timeout)
@@ -105,7 +105,8 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
             wait_until("the spare waiting", lambda: sum(e["event"] == "rendezvous" for e in read_events(run_dir)) >= 3,
                        args.timeout)
             time.sleep(1.0)  # in the rendezvous's redundancy list
-        lost = "a" if mode == "host" else "b"
+        host = "ab"[rendezvous_host(run_dir, [procs["a"], procs["b"]])]  # the first to bind, not always a
+        lost = host if mode == "host" else "ab".replace(host, "")
         killed = time.time()
         kill_tree(procs[lost].pid)
         shutil.rmtree(out / f"{label}-shm-{lost}", ignore_errors=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from launch.ledger import recovery_after
 from trainer.observability import logs
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import free_port, kill_tree
+from trainer.testing import free_port, kill_tree, wait_for_rendezvous_host
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ class Nodes:
             overrides = [*overrides, f"checkpoint.memory_dir={self.memory_dir(node)}"]
         proc = launcher(self.args.config, self.run_dir, self.args.nproc, overrides, self.log, self.node_args)
         if node == 0 and self.args.nodes > 1:
-            time.sleep(1.0)  # the first launcher hosts the rendezvous store
+            wait_for_rendezvous_host(self.run_dir, 120, proc)  # the first launcher hosts the rendezvous store
         return proc
 
     def running(self) -> bool:

@@ -56,6 +56,37 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
             time.sleep(0.01)
 
 
+def wait_for_rendezvous_host(run_dir, timeout_s: float = 90.0, proc=None) -> None:
+    """Wait until a launcher of the job in `run_dir` hosts its rendezvous store (its ledger's `rendezvous`
+    event says `hosted`), so that the next one started on this machine joins it as a guest. For a fixed
+    --nnodes only: under MIN:MAX the host would meanwhile start alone. Raises TimeoutError after
+    `timeout_s`, RuntimeError when `proc` (that launcher) ended first."""
+    import time
+
+    from trainer.runtime.protocol import read_events
+
+    deadline = time.monotonic() + timeout_s
+    while not any(e["event"] == "rendezvous" and e.get("hosted") for e in read_events(run_dir)):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the first launcher ended (exit {proc.returncode}) before it hosted the rendezvous")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no launcher hosted the rendezvous store within {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+def rendezvous_host(run_dir, procs: list) -> int:
+    """Which of `procs` (the job's launchers on this machine, as started) hosted the rendezvous store of
+    its first meeting: the first to bind it, which under load need not be the first started. From the
+    ledger's `rendezvous` events (their node is host:pid)."""
+    from trainer.runtime.protocol import read_events
+
+    hosts = [e for e in read_events(run_dir) if e["event"] == "rendezvous" and e.get("hosted")]
+    pids = [e["node"].rpartition(":")[2] for e in hosts]
+    if not pids:
+        raise RuntimeError(f"no launcher of {run_dir} says it hosted the rendezvous store")
+    return next(i for i, p in enumerate(procs) if str(p.pid) == pids[0])
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
     with socket.socket() as s:

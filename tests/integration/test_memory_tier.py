@@ -24,7 +24,7 @@ from tests.helpers import REPO, child_env, free_port, read_metrics, trainer_cmd
 from tests.integration.test_launch_faults import finish, launch, load_final, wait_for_step
 from trainer.checkpoint import memory_auto
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import kill_tree
+from trainer.testing import kill_tree, wait_for_rendezvous_host
 
 STEPS = 80
 BASE = [f"train.steps={STEPS}", "checkpoint.every=50"]  # durable: only the final step
@@ -132,7 +132,7 @@ def test_a_lost_node_resumes_from_the_copies_on_the_other_node(reference, tmp_pa
                       nproc=1, extra_args=args)
 
     host = node("a")
-    time.sleep(1.0)  # the first launcher hosts the rendezvous store
+    wait_for_rendezvous_host(run_dir, proc=host)  # the first launcher hosts the rendezvous store
     guest = node("b")
     wait_for_step(run_dir, 15)
     assert any(memory["a"].rglob("peer-slot-*.json")) and any(memory["b"].rglob("peer-slot-*.json"))
