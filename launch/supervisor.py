@@ -15,6 +15,7 @@ rendezvous from `launch.rendezvous`) on a thread of its own and adds what torchr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -183,6 +184,7 @@ class Supervisor(Meeting):
                       f"{RECOVERY_BOUND_S:.0f}s"
                 log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
                 self.ledger.event("in_process_fallback", why=why, rank=stuck.replaced[0])
+                self._print_stacks({r: b for r, b in beats.items() if b.get("phase") != "recover"})
                 self._on_failure(Failure(stuck.replaced[0], "hang", self._last_step() + 1, message=why,
                                          key="in-process recovery overdue"), "")
                 return True
@@ -222,6 +224,15 @@ class Supervisor(Meeting):
         log.info(f"in-process recovery, generation {generation}: the ranks here go on as a world of "
                  f"{len(kept)} without rank(s) {lost}")
         return False
+
+    def _print_stacks(self, beats: dict[int, dict]) -> None:
+        """Have these ranks print their stacks (SIGUSR1: trainer.runtime.fault.stacks_on_sigusr1) before
+        they are killed: where the ones a recovery waited for in vain were stuck."""
+        for rank, beat in sorted(beats.items()):
+            log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) did not come to the recovery: its stacks")
+            with contextlib.suppress(OSError):
+                os.kill(beat["pid"], signal.SIGUSR1)
+        time.sleep(0.5 if beats else 0.0)
 
     def _last_step(self) -> int:
         return self.ledger.attempts[-1].last_step if self.ledger.attempts else 0

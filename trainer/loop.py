@@ -33,6 +33,7 @@ def train(cfg: Config) -> dict:
 
     Raises fault.Preempted after committing an emergency checkpoint when SIGTERM arrives."""
     fault.die_with_launcher()
+    fault.stacks_on_sigusr1()
     if cfg.dist.tune_malloc:
         host.tune_malloc()
     storage.bound_requests(cfg.storage.timeout_s)

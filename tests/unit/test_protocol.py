@@ -30,3 +30,16 @@ def test_heartbeat_records_round_trip(tmp_path, monkeypatch):
     assert (record["phase"], record["step"], record["busy_s"]) == ("train", 7, 1.5) and record["t_first"] > 0
     beat.close()
     assert read_heartbeats(tmp_path)[3]["phase"] == "done"
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_rank_goes_on():
+    """trainer.runtime.fault.stacks_on_sigusr1: where a stuck rank is, for the launcher's log."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\nfrom trainer.runtime import fault\nfault.stacks_on_sigusr1()\n"
+            "def waiting_here():\n    os.kill(os.getpid(), signal.SIGUSR1)\n    time.sleep(0.2)\n"
+            "waiting_here()\nprint('still running')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "still running" in done.stdout, done.stderr[-2000:]
+    assert "Current thread" in done.stderr and "waiting_here" in done.stderr, done.stderr[-2000:]

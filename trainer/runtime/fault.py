@@ -7,6 +7,7 @@ or those variables."""
 from __future__ import annotations
 
 import errno
+import faulthandler
 import os
 import signal
 import threading
@@ -64,6 +65,12 @@ def die_with_launcher() -> None:
     launcher = os.environ.get(protocol.LAUNCHER_PID_ENV)
     if launcher:
         die_with_parent(lambda: os.getppid() == int(launcher))
+
+
+def stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints every thread's Python stack to stderr (`kill -USR1 <rank pid>`); the launcher sends
+    it to the ranks an in-process recovery waited for in vain, before it falls back."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 # How often the ranks agree on a preemption (PreemptionFlag): steps shorter than BLOCK_ABOVE_S agree about
