@@ -75,7 +75,7 @@ class Meeting:
             os.environ.pop(COORD_STORE_ENV, None)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
         self.ledger.event("rendezvous", endpoint=self._endpoint, index=at, hosted=hosted)
-        thread = threading.Thread(target=self._run_agent, name="elastic-agent", daemon=True)
+        thread = threading.Thread(target=self._run_agent, args=(self.agent,), name="elastic-agent", daemon=True)
         thread.start()
         try:
             self._wait_for(thread)
@@ -88,6 +88,7 @@ class Meeting:
         """The store at endpoint `at` is lost with its node: go on at the next one (the group restarts there,
         from the newest state). Returns its index."""
         self._error, self._interrupted = None, (time.time(), "rendezvous host lost")
+        self.agent = None  # the old agent's thread may still be blocked in a call to the lost store: not ours
         log.info(f"the rendezvous endpoint {listed[at]} stopped answering (the node hosting it is lost, or this "
                  f"one cut off): moving to {listed[at + 1]}, the next one of --rdzv-endpoint")
         self.ledger.event("rendezvous_lost", endpoint=listed[at], next=listed[at + 1])

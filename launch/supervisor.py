@@ -306,16 +306,22 @@ class Supervisor(Meeting):
         log.info(f"warm restarts: ranks are forked from a process with torch and the trainer imported "
                  f"(pid {self.zygote.pid}; fault.warm_restarts=false turns this off)")
 
-    def _run_agent(self) -> None:
+    def _run_agent(self, agent: SupervisedAgent) -> None:
+        """The agent's thread. An agent left behind when this node moved down the endpoint list (blocked in
+        a call to the lost store) reports nothing when it ends: the next meeting is not its."""
+        error = None
         try:
-            ended = self.agent.supervise()
-            self._succeeded, self._closed = ended == "succeeded", ended == "closed"
+            ended = agent.supervise()
+            if agent is self.agent:
+                self._succeeded, self._closed = ended == "succeeded", ended == "closed"
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            self._error = e
+            error = e
+            if agent is self.agent and self._error is None:
+                self._error = e
         finally:
             # A preempted node leaves the rendezvous open for its replacement; a lost store has none to close.
-            if self.preempt_at is None and not (self._error is not None and rendezvous.store_lost(self._error)):
-                self.agent.leave_rendezvous()
+            if self.preempt_at is None and agent is self.agent and not (error and rendezvous.store_lost(error)):
+                agent.leave_rendezvous()
 
     def _wait_for(self, thread: threading.Thread) -> None:
         """Wait for the agent's thread to end, or, once signalled, for no worker group to be left to ask."""
