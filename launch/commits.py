@@ -35,4 +35,3 @@ def newest_commit(root: str, timeout_s: float) -> tuple[int, float] | None:
                     "checkpoint cannot be confirmed")
         return None
     return answer[0]
-

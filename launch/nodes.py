@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 
@@ -59,13 +58,14 @@ class Meeting:
         """Run worker groups with the rendezvous at the `at`-th endpoint until the job ends here; True when
         it ended because that endpoint's store stopped answering (its node is lost, or this one cut off)."""
         o = self.opts
-        self._endpoint = rendezvous.endpoints(o.rdzv_endpoint)[at] if o.rdzv_endpoint else "127.0.0.1"
+        endpoint = rendezvous.endpoints(o.rdzv_endpoint)[at] if o.rdzv_endpoint else ""
+        self._endpoint = endpoint or "127.0.0.1"
         try:
             if at:
-                _wait_for_store(self._endpoint, MOVE_WAIT_S)
+                _wait_for_store(endpoint, MOVE_WAIT_S)
             spec, hosted = rendezvous.worker_spec(o, self.cfg.run.name, self.cfg.run.dir,
                                                   self.policy.max_restarts - self.policy.restarts,
-                                                  warm=self.zygote is not None, at=at)
+                                                  warm=self.zygote is not None, endpoint=endpoint)
         except Exception as e:  # noqa: BLE001 - the next endpoint's node may be lost too
             self._error = e
             return rendezvous.store_lost(e)
@@ -140,16 +140,11 @@ class Meeting:
 def _wait_for_store(endpoint: str, timeout_s: float) -> None:
     """Wait until something listens at `endpoint` (the node moving there first hosts it); a node that can
     bind the address hosts it itself and does not wait. RendezvousConnectionError after `timeout_s`."""
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=rendezvous.DEFAULT_PORT)
+    host, _ = parse_rendezvous_endpoint(endpoint, default_port=rendezvous.DEFAULT_PORT)
     if rendezvous.local_address(host) is not None:
         return
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RendezvousConnectionError(f"no rendezvous store at {endpoint} within {timeout_s:.0f}s") \
-                    from None
-            time.sleep(0.2)
+    while not rendezvous.listening(endpoint, 1.0):
+        if time.monotonic() > deadline:
+            raise RendezvousConnectionError(f"no rendezvous store at {endpoint} within {timeout_s:.0f}s")
+        time.sleep(0.2)

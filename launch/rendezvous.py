@@ -58,28 +58,31 @@ def endpoints(value: str) -> list[str]:
 PROBE_S = 0.3  # how long a starting launcher waits for each later endpoint to answer
 
 
+def listening(endpoint: str, timeout_s: float) -> bool:
+    """Whether something accepts connections at `endpoint` within `timeout_s` (a store hosted there)."""
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError:  # refused, unreachable or silent: nobody hosts it
+        return False
+    return True
+
+
 def first_answering(listed: list[str], timeout_s: float = PROBE_S) -> int:
     """Where a starting launcher meets the others: the first of the later endpoints where a store listens
     (the job moved down the list after losing a node, and this launcher replaces it), else the first
     endpoint (the job's first start). A single endpoint is never asked."""
-    for i, endpoint in enumerate(listed[1:], start=1):
-        host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-        except OSError:  # refused, unreachable or silent: nobody hosts it
-            continue
-        return i
-    return 0
+    return next((i for i, endpoint in enumerate(listed[1:], start=1) if listening(endpoint, timeout_s)), 0)
 
 
 def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: int, warm: bool = False,
-                at: int = 0) -> tuple[WorkerSpec, bool]:
+                endpoint: str = "") -> tuple[WorkerSpec, bool]:
     """torchrun's worker spec for `python -m trainer CONFIG OVERRIDES` on this node, with its rendezvous
-    at the `at`-th endpoint of --rdzv-endpoint, and whether this node hosts that rendezvous's store.
-    `warm`: each rank starts as launch/stub.py, which has the launcher's fork server (launch.zygote) fork
-    the trainer (or runs the plain one when it cannot)."""
-    standalone = not opts.rdzv_endpoint
-    endpoint = endpoints(opts.rdzv_endpoint)[at] if opts.rdzv_endpoint else STANDALONE_ENDPOINT
+    at `endpoint` (one of --rdzv-endpoint; "": this node alone), and whether this node hosts that
+    rendezvous's store. `warm`: each rank starts as launch/stub.py, which has the launcher's fork server
+    (launch.zygote) fork the trainer (or runs the plain one when it cannot)."""
+    standalone = not endpoint
+    endpoint = endpoint or STANDALONE_ENDPOINT
     host, _ = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
     local_addr = opts.local_addr or ("127.0.0.1" if is_loopback(host) else None)
     params = RendezvousParameters(

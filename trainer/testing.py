@@ -56,6 +56,13 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
             time.sleep(0.01)
 
 
+def _hosted(run_dir) -> list[dict]:
+    """The ledger's `rendezvous` events of launchers that hosted the store, oldest first."""
+    from trainer.runtime.protocol import read_events
+
+    return [e for e in read_events(run_dir) if e["event"] == "rendezvous" and e.get("hosted")]
+
+
 def wait_for_rendezvous_host(run_dir, timeout_s: float = 90.0, proc=None) -> None:
     """Wait until a launcher of the job in `run_dir` hosts its rendezvous store (its ledger's `rendezvous`
     event says `hosted`), so that the next one started on this machine joins it as a guest. For a fixed
@@ -63,10 +70,8 @@ def wait_for_rendezvous_host(run_dir, timeout_s: float = 90.0, proc=None) -> Non
     `timeout_s`, RuntimeError when `proc` (that launcher) ended first."""
     import time
 
-    from trainer.runtime.protocol import read_events
-
     deadline = time.monotonic() + timeout_s
-    while not any(e["event"] == "rendezvous" and e.get("hosted") for e in read_events(run_dir)):
+    while not _hosted(run_dir):
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the first launcher ended (exit {proc.returncode}) before it hosted the rendezvous")
         if time.monotonic() > deadline:
@@ -78,10 +83,7 @@ def rendezvous_host(run_dir, procs: list) -> int:
     """Which of `procs` (the job's launchers on this machine, as started) hosted the rendezvous store of
     its first meeting: the first to bind it, which under load need not be the first started. From the
     ledger's `rendezvous` events (their node is host:pid)."""
-    from trainer.runtime.protocol import read_events
-
-    hosts = [e for e in read_events(run_dir) if e["event"] == "rendezvous" and e.get("hosted")]
-    pids = [e["node"].rpartition(":")[2] for e in hosts]
+    pids = [e["node"].rpartition(":")[2] for e in _hosted(run_dir)]
     if not pids:
         raise RuntimeError(f"no launcher of {run_dir} says it hosted the rendezvous store")
     return next(i for i, p in enumerate(procs) if str(p.pid) == pids[0])
