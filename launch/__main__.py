@@ -5,7 +5,9 @@ committed checkpoint, stops on a crash loop, checkpoints and exits 75 on SIGTERM
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 
 from trainer.contract import EXIT_USAGE, logs
@@ -135,6 +137,7 @@ def start_fork_server(cfg):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_cpp_warnings()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <launcher pid>`: its stacks; it goes on
     logs.setup(logs.LAUNCHER, stream=sys.stderr)
     refused = refused_torchrun_option(argv)
     if refused:

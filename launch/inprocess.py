@@ -15,6 +15,11 @@ then gives the ledger its `resume` event with the split."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -24,14 +29,22 @@ from trainer.contract import (
     EXIT_STORAGE,
     EXIT_USAGE,
     GENERATION_ENV,
+    announce_failure,
     arrived_ranks,
     coordination_store,
     publish_smaller_world,
 )
 
+log = logging.getLogger(__name__)
+
 # Every rank of this node recovering this long, with nobody to wait for but ranks of other nodes: their
 # node is lost (a crashed rank of a live node is replaced within a second: its launcher forks it warm).
 NODE_LOST_S = 1.0
+
+# A survivor notices a lost peer within milliseconds (its collective fails, or a peer that noticed shuts its
+# connections). One still training in the failed generation this long after is blocked where no error
+# reaches it (gloo: a receive whose peer's close is queued behind unread data): it is replaced as well.
+UNAWARE_S = 2.0
 
 # A recovery takes about half a second here (a few on a slow machine, or with a cold replacement); one
 # not finished by then is stuck somewhere no bound of its own catches: the whole group restarts.
@@ -50,6 +63,7 @@ class Pending:
     cause: str = ""
     dead_pids: frozenset[int] = frozenset()  # the failed ranks' trainer pids (their heartbeats are stale)
     lost: list[int] = field(default_factory=list)  # the ranks of a lost node (the world got smaller)
+    unaware: set[int] = field(default_factory=set)  # survivors killed for never noticing the failure (UNAWARE_S)
 
 
 @dataclass
@@ -86,6 +100,37 @@ class InProcessRecovery:
         dead = frozenset(beats[r]["pid"] for r in exits if r in beats)
         self.pending = Pending(self.generation, time.time(), sorted(exits), kept, failure.cause, dead)
         return {GENERATION_ENV: str(self.generation)}, ""
+
+    def unaware_ranks(self, beats: dict[int, dict], now: float) -> tuple[dict[int, int], tuple[int, str] | None]:
+        """(rank -> pid, None) of the survivors here still training in the failed generation UNAWARE_S after
+        the failure was noticed: the caller kills them, and they are replaced in the same generation (each
+        is reported once). ({}, (the rank it replaced, why)) when none of a single node's survivors noticed:
+        with no survivor to take its settings from, the recovery cannot go on (it is dropped)."""
+        p = self.pending
+        if p is None or p.lost or now - p.noticed < UNAWARE_S:
+            return {}, None
+        kept = set(p.kept.values())
+        found = {rank: b["pid"] for rank, b in beats.items()
+                 if b.get("pid") in kept and rank not in p.unaware and b.get("phase") != "recover"
+                 and b.get("generation", 0) < p.generation and b.get("recovering", 0) < p.generation}
+        if found and self.single_node and set(found.values()) == kept:
+            self.pending = None
+            return {}, (p.replaced[0], f"no rank noticed the failure of generation {p.generation - 1} within "
+                                       f"{UNAWARE_S:.0f}s")
+        p.unaware |= set(found)
+        p.dead_pids = p.dead_pids | set(found.values())  # the watchdog does not judge them meanwhile
+        return found, None
+
+    def replace_unaware(self, exits: dict, beats: dict[int, dict]) -> dict[str, str] | None:
+        """When the ranks that exited are survivors killed for never noticing the failure: the environment
+        that starts them again in the same generation, as replacements (the others wait for them)."""
+        p = self.pending
+        if p is None or not exits or not set(exits) <= p.unaware:
+            return None
+        p.replaced = sorted({*p.replaced, *exits})
+        p.kept = {lr: pid for lr, pid in p.kept.items() if lr not in {e.local_rank for e in exits.values()}}
+        p.dead_pids = p.dead_pids | {beats[r]["pid"] for r in exits if r in beats}
+        return {GENERATION_ENV: str(p.generation)}
 
     def lost_node(self, beats: dict[int, dict], local: list[int], now: float) -> tuple[int, float] | None:
         """(generation, when the first rank noticed) once every rank of this node (`local`: their global
@@ -126,13 +171,15 @@ class InProcessRecovery:
         """Pids the watchdog must not judge: the failed ranks of the recovery under way."""
         return self.pending.dead_pids if self.pending is not None else frozenset()
 
-    def overdue(self, now: float) -> Pending | None:
-        """The pending recovery once it has taken longer than RECOVERY_BOUND_S (it is dropped)."""
+    def overdue(self, now: float) -> tuple[int, str] | None:
+        """(the rank it replaced, why) once the pending recovery has taken longer than RECOVERY_BOUND_S (it is
+        dropped)."""
         p = self.pending
         if p is None or now - p.noticed <= RECOVERY_BOUND_S:
             return None
         self.pending = None
-        return p
+        return p.replaced[0], f"the in-process recovery of generation {p.generation} did not finish within " \
+                              f"{RECOVERY_BOUND_S:.0f}s"
 
     def current(self, beats: dict[int, dict]) -> dict[int, dict]:
         """The beats of the current generation (older ones are of ranks not yet re-formed)."""
@@ -148,3 +195,25 @@ class InProcessRecovery:
             return None
         self.pending = None
         return p
+
+
+def print_stacks(beats: dict[int, dict]) -> None:
+    """Have these ranks print their stacks (SIGUSR1: trainer.runtime.fault.stacks_on_sigusr1) before they
+    are killed: where the ones a recovery waited for in vain were stuck."""
+    for rank, beat in sorted(beats.items()):
+        log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) did not come to the recovery: its stacks")
+        with contextlib.suppress(OSError):
+            os.kill(beat["pid"], signal.SIGUSR1)
+    time.sleep(0.5 if beats else 0.0)
+
+
+def tell_the_ranks(store_at: str, run_id: str, restart: int, generation: int) -> None:
+    """A rank died and `generation` starts: tell the ranks on their coordination store, so that one whose
+    collective did not fail leaves by itself (trainer.distributed.regroup's watch thread) instead of waiting
+    for UNAWARE_S. Best effort (the ranks that noticed say so too), on a thread: the replacement's start
+    does not wait for it."""
+    def tell() -> None:
+        with contextlib.suppress(Exception):
+            announce_failure(coordination_store(store_at, run_id, restart, 5.0), generation)
+
+    threading.Thread(target=tell, name="tell-the-ranks", daemon=True).start()

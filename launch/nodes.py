@@ -68,6 +68,7 @@ class Meeting:
                                                   warm=self.zygote is not None, endpoint=endpoint)
         except Exception as e:  # noqa: BLE001 - the next endpoint's node may be lost too
             self._error = e
+            log.info(f"cannot meet at {endpoint}: {type(e).__name__}: {e}")
             return rendezvous.store_lost(e)
         if o.max_nodes > 1:
             self.liveness = Liveness(os.environ[COORD_STORE_ENV], self.ledger.node).start()

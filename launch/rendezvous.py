@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -104,7 +105,6 @@ def store_lost(error: BaseException) -> bool:
     """Whether `error` (from the agent) means the rendezvous store stopped answering: the node hosting the
     endpoint is gone, and this node cannot go on without it."""
     from torch.distributed import DistNetworkError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
@@ -127,8 +127,10 @@ def handler(params: RendezvousParameters) -> tuple[RendezvousHandler, bool]:
     if address is not None:
         try:
             store = tcp_store_server(address, port, None, timeout, multi_tenant=True)
-        except OSError:  # taken: another launcher on this machine hosts the rendezvous
-            pass
+        except OSError as e:  # taken: another launcher on this machine hosts the rendezvous, or not a store
+            if not listening(params.endpoint, PROBE_S):  # a connection's own port, say: would retry for 60 s
+                raise RendezvousConnectionError(f"the rendezvous endpoint {params.endpoint}: port {port} is taken "
+                                                f"here, and not by a listening store ({e.strerror})") from e
     hosted = store is not None
     if store is None:
         store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)

@@ -15,7 +15,6 @@ rendezvous from `launch.rendezvous`) on a thread of its own and adds what torchr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -28,7 +27,7 @@ from launch import failures, outcome, rendezvous
 from launch.agent import GroupStatus, SupervisedAgent
 from launch.commits import newest_commit
 from launch.failures import Failure
-from launch.inprocess import RECOVERY_BOUND_S, InProcessRecovery
+from launch.inprocess import UNAWARE_S, InProcessRecovery, print_stacks, tell_the_ranks
 from launch.ledger import Ledger, format_summary, resume_line
 from launch.nodes import Meeting
 from launch.options import LaunchOptions
@@ -131,6 +130,9 @@ class Supervisor(Meeting):
     def replace_failed(self, exits: dict) -> dict[str, str] | None:
         """In-process recovery (launch.inprocess): the replacements' environment, or None for a full restart."""
         beats = self.watchdog.beats(self.attempt)
+        if (env := self.inproc.replace_unaware(exits, beats)) is not None:
+            log.info(f"in-process recovery: starting rank(s) {sorted(exits)} again too")
+            return env
         failure, tb = failures.from_exits(exits, set(), beats, self._last_step())
         failure, self.inproc.hang = self.inproc.hang or failure, None  # a hung rank this launcher killed
         # The trainers' own pids (a warm rank's torchelastic worker is its stub): single node, local = global rank.
@@ -147,6 +149,7 @@ class Supervisor(Meeting):
             self._recorded = True
             return None
         pending = self.inproc.pending
+        tell_the_ranks(os.environ.get(COORD_STORE_ENV, ""), self.agent.run_id(), self.attempt, pending.generation)
         self.ledger.attempt_started(self.attempt, pending.noticed, "failure", path="in-process")
         log.info(f"in-process recovery, generation {pending.generation}: starting rank(s) {pending.replaced} "
                  f"again; the other ranks keep their processes (pids {sorted(pending.kept.values())} here)")
@@ -180,14 +183,15 @@ class Supervisor(Meeting):
             if self._silent_nodes():
                 return True
             if stuck := self.inproc.overdue(now):
-                why = f"the in-process recovery of generation {stuck.generation} did not finish within " \
-                      f"{RECOVERY_BOUND_S:.0f}s"
-                log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
-                self.ledger.event("in_process_fallback", why=why, rank=stuck.replaced[0])
-                self._print_stacks({r: b for r, b in beats.items() if b.get("phase") != "recover"})
-                self._on_failure(Failure(stuck.replaced[0], "hang", self._last_step() + 1, message=why,
-                                         key="in-process recovery overdue"), "")
-                return True
+                return self._fall_back(*stuck, beats)
+            unaware, stuck = self.inproc.unaware_ranks(beats, now)
+            if stuck:
+                return self._fall_back(*stuck, beats)
+            for rank, pid in unaware.items():  # killed, then started again
+                log.info(f"rank {rank} (pid {pid}) still trains in the failed generation {UNAWARE_S:.0f}s after the "
+                         f"failure (blocked where no error reaches it): killing it, to start it again too")
+                self.ledger.event("in_process_unaware", rank=rank, pid=pid)
+                kill_group(pid)
             if lost := self.inproc.lost_node(beats, sorted(self.agent.global_ranks().values()), now):
                 return self._go_smaller(*lost, beats)
             if self.inproc.hang is not None and now - self.inproc.hang_killed_at < HANG_EXIT_WAIT_S:
@@ -203,6 +207,15 @@ class Supervisor(Meeting):
                 self._on_failure(failures.from_hang(hang, self.cfg.checkpoint_dir), "")
                 return True
         return False
+
+    def _fall_back(self, rank: int, why: str, beats: dict[int, dict]) -> bool:
+        """The in-process recovery under way cannot finish: the ranks it waited for in vain print their stacks,
+        and the whole group restarts (True)."""
+        log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
+        self.ledger.event("in_process_fallback", why=why, rank=rank)
+        print_stacks({r: b for r, b in beats.items() if b.get("phase") != "recover"})
+        self._on_failure(Failure(rank, "hang", self._last_step() + 1, message=why, key="in-process recovery stuck"), "")
+        return True
 
     def _go_smaller(self, generation: int, noticed: float, beats: dict[int, dict]) -> bool:
         """Every rank here waits for ranks of other nodes nobody replaces: their node is lost. The survivors go
@@ -224,15 +237,6 @@ class Supervisor(Meeting):
         log.info(f"in-process recovery, generation {generation}: the ranks here go on as a world of "
                  f"{len(kept)} without rank(s) {lost}")
         return False
-
-    def _print_stacks(self, beats: dict[int, dict]) -> None:
-        """Have these ranks print their stacks (SIGUSR1: trainer.runtime.fault.stacks_on_sigusr1) before
-        they are killed: where the ones a recovery waited for in vain were stuck."""
-        for rank, beat in sorted(beats.items()):
-            log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) did not come to the recovery: its stacks")
-            with contextlib.suppress(OSError):
-                os.kill(beat["pid"], signal.SIGUSR1)
-        time.sleep(0.5 if beats else 0.0)
 
     def _last_step(self) -> int:
         return self.ledger.attempts[-1].last_step if self.ledger.attempts else 0

@@ -195,6 +195,9 @@ def finish(run: Run, meters: Meters, progress: Progress) -> dict:
                "eval_loss": progress.eval_loss, "unigram_entropy": entropy,
                "tokens_per_s": tokens / wall if wall else 0.0,
                "breakdown": run_breakdown(run, meters, wall / max(steps_done, 1))}
+    if not steps_done:  # a requeued job, say, whose run had finished: nothing was trained, nothing to measure
+        log.info("done: nothing to train, the run had reached its final step %d already", progress.state.step)
+        return summary
     log.info("done: %d steps in %.1fs (%s tok/s) | %s", steps_done, wall, f"{summary['tokens_per_s']:,.0f}",
              f"final eval loss {progress.eval_loss:.3f} nats vs unigram entropy {entropy:.3f} nats"
              if run.evaluator.enabled else "no evaluation")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -62,6 +63,10 @@ def recover(run: Run, meters: Meters, progress: Progress,
     run.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0)
     run.heartbeat.beat("recover", t_error=t_error, recovering=generation)
     cut = regroup.leave()
+    try:
+        regroup.noticed(generation)
+    except dist.DistError:  # the launcher's store: answered below
+        pass
     forget_the_step(run)
     abandon_background_work(run)
     close_meters(meters)
@@ -80,11 +85,16 @@ def recover(run: Run, meters: Meters, progress: Progress,
                        f"checkpoint (the groups are not formed); the newest memory snapshot stays for the "
                        f"next launch", protocol.EXIT_PREEMPTED)
     t_joined = time.time()
+    old_groups: list = []
     if isinstance(arrived, SmallerWorld):  # a node was lost: go on without it
         run = rebuild_smaller(run, regroup, generation, arrived)
         arrived = {}
     else:
-        rebind(run, regroup.reform(generation))
+        mapping = regroup.reform(generation)
+        rebind(run, mapping)
+        old_groups = list(mapping)
+        del mapping
+    release_elsewhere(error, old_groups)
     t_reformed = time.time()
     run.heartbeat.record.update(generation=generation)
     progress = resume(run)
@@ -99,6 +109,30 @@ def recover(run: Run, meters: Meters, progress: Progress,
              "restored in %.3fs", generation, run.info.world, replaced, progress.state.step, progress.resumed_tier,
              t_left - t_error, cut, t_joined - t_left, t_reformed - t_joined, t_restored - t_reformed)
     return run, progress, meters
+
+
+RELEASE_AFTER_S = 5.0  # the training thread holds none of the failed generation's groups by then
+
+
+def release_elsewhere(error: BaseException, old_groups: list) -> None:
+    """Let the failed generation's groups (and the frames of the collective that failed, which hold them) go
+    on a thread of their own, later, not on the training thread. A gloo group's destructor waits for its
+    worker threads, and one can stay blocked in a receive until the group's timeout (a peer's close queued
+    behind unread data): the training thread would stop there, in the new generation, with its peers
+    waiting in its first collective."""
+    remains: list = [*old_groups]
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        remains.append(error.__traceback__)
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+    threading.Thread(target=_release_later, args=(remains,), name="failed-generation", daemon=True).start()
+
+
+def _release_later(remains: list) -> None:
+    time.sleep(RELEASE_AFTER_S)
+    remains.clear()
 
 
 def rebuild_smaller(run: Run, regroup: Regroup, generation: int, world: SmallerWorld) -> Run:

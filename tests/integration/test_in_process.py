@@ -1,6 +1,7 @@
 """In-process recovery (fault.in_process, trainer.recover, launch.inprocess) under real faults, 4 gloo
-ranks under `python -m launch`: a SIGKILLed rank, then a SIGSTOPped one (killed by the watchdog), are
-each replaced alone while the other ranks keep their processes, and the run stays bit-identical to an
+ranks under `python -m launch`: a SIGKILLed rank, then a SIGSTOPped one (killed by the watchdog), then
+a SIGKILLed one while another is frozen (it never notices the failure: the launcher replaces it too), are
+replaced while the other ranks keep their processes, and the run stays bit-identical to an
 uninterrupted one; a second failure during a recovery falls back to a full restart, recorded with its
 reason; a SIGTERM during a recovery (2 ranks) exits 75 at once and loses nothing. The real trainer
 processes (their heartbeat pids) get the signals; every wait is bounded."""
@@ -61,9 +62,10 @@ def reference(cache_dir, tmp_path_factory) -> Path:
 def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_others_keep_their_processes(
         reference, tmp_path):
     """Rank 1 SIGKILLed at step 8, then rank 2 SIGSTOPped (a hang: the watchdog SIGKILLs it alone) 12 or
-    more steps after that recovery: each time only the failed rank gets a new process; ranks 0 and 3
-    keep theirs throughout; nothing is lost, the run is bit-identical to an uninterrupted one, and the cost
-    summary counts the time lost to the failures."""
+    more steps after that recovery, then rank 3 SIGKILLed while rank 1 is frozen (it never notices: it is
+    replaced too, with any rank its failure never reached): each time only those ranks get a new process,
+    the others keep theirs; nothing is lost, the run is bit-identical to an uninterrupted one, and the cost summary counts the time lost to
+    the failures."""
     hang_timeout = 3.0
     run_dir = tmp_path / "run"
     proc = start(run_dir, tmp_path, [f"fault.hang_timeout_s={hang_timeout}", "log.cost_per_device_hour=3.0"])
@@ -76,6 +78,14 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
     os.kill(hung["pid"], signal.SIGSTOP)
     wait_for_event(run_dir, "in_process_done", timeout=60, count=2)
     after = pids(run_dir)
+    # Rank 1 frozen and rank 3 SIGKILLed together: rank 1 never notices, nor may the rank whose receive
+    # waits on it (gloo fails only the operations of the connection that broke); UNAWARE_S after the
+    # failure the launcher kills such ranks too and starts them again with rank 3.
+    wait_for_step(run_dir, 30, rank=1)
+    os.kill(after[1], signal.SIGSTOP)
+    os.kill(after[3], signal.SIGKILL)
+    wait_for_event(run_dir, "in_process_done", timeout=60, count=3)
+    last = pids(run_dir)
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
 
@@ -83,7 +93,11 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
         (before, middle)
     assert after[2] != middle[2] and {r: after[r] for r in (0, 1, 3)} == {r: middle[r] for r in (0, 1, 3)}, \
         (middle, after)
-    kill, hang = events(run_dir, "failure")
+    unaware = {e["rank"]: e["pid"] for e in events(run_dir, "in_process_unaware")}
+    assert 1 in unaware and set(unaware) <= {0, 1, 2} and all(after[r] == pid for r, pid in unaware.items()), unaware
+    third = sorted({3, *unaware})
+    assert all((last[r] != after[r]) == (r in third) for r in range(RANKS)), (after, last, unaware)
+    kill, hang, _ = events(run_dir, "failure")
     assert (kill["rank"], kill["signal"], kill["path"]) == (1, "SIGKILL", "in-process"), kill
     assert (hang["rank"], hang["cause"], hang["path"]) == (2, "hang", "in-process"), hang
     assert "stopped" in hang["message"], hang
@@ -91,16 +105,18 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
     resumes = events(run_dir, "resume")
     # (A kill that lands while a snapshot is written redoes one more step, as any resume does.)
     assert [(r["path"], r["replaced"], r["tier"]) for r in resumes] == \
-        [("in-process", [1], "memory-local"), ("in-process", [2], "memory-local")], resumes
+        [("in-process", [1], "memory-local"), ("in-process", [2], "memory-local"),
+         ("in-process", third, "memory-local")], resumes
     assert all(r["lost_steps"] <= 1 for r in resumes), resumes
     for resume in resumes:
         parts = [resume[k] for k in ("leave_s", "wait_s", "reform_s", "restore_s", "first_step_s")]
         assert all(p >= 0 for p in parts) and sum(parts) <= resume["recovery_s"] + 0.01, resume
     kept = [sorted(e["kept_pids"]) for e in events(run_dir, "in_process_done")]
-    assert kept == [sorted(before[r] for r in (0, 2, 3)), sorted(middle[r] for r in (0, 1, 3))], kept
+    assert kept == [sorted(before[r] for r in (0, 2, 3)), sorted(middle[r] for r in (0, 1, 3)),
+                    sorted(after[r] for r in range(RANKS) if r not in third)], kept
     assert "restarting the failed rank(s) alone" in out and "restarting the worker group" not in out
     done = read_events(run_dir)[-1]
-    assert done["event"] == "done" and done["restarts"] == 2, done
+    assert done["event"] == "done" and done["restarts"] == 3, done
     assert done["cost"]["devices"] == RANKS and 0 < done["cost"]["lost_share"] < 1, done["cost"]
     assert "lost to failures/restarts" in out
     assert_same_run(run_dir, reference)

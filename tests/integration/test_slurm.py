@@ -1,7 +1,9 @@
 """Slurm, really: Debian's slurm-wlm and munge on this host (one slurmctld and two slurmd "nodes",
-each daemon under its own user, as on a cluster), `launch/cluster/slurm.sbatch` submitted as it is,
-preempted with SIGTERM (what the recipe's `--signal=TERM@180` sends before the time limit), requeued
-by the recipe on exit 75, and resumed from the emergency checkpoint with no step lost.
+each daemon under its own user, as on a cluster), `launch/cluster/slurm.sbatch` submitted as it is on
+2 nodes under `--nnodes 1:2`: one node is lost (its processes SIGKILLed, the node marked DOWN) and the
+other goes on alone; that one is then preempted with SIGTERM (what the recipe's `--signal=TERM@180`
+sends before the time limit), the recipe requeues the job, and both nodes resume from the emergency
+checkpoint with no step lost.
 
 Needs root (the daemons switch users; the recipe's rendezvous host, the first node's name, must
 resolve, so a line is added to /etc/hosts) and the packages, which are installed with apt-get when
@@ -13,8 +15,10 @@ slurm.conf, the daemons' logs, the job's output and run directory) for a look af
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -38,8 +42,8 @@ BINARIES = ["munged", "mungekey", "munge", "slurmctld", "slurmd", "sbatch", "sru
             "scancel", "sinfo"]
 NODES = ("rkn1", "rkn2")  # the Slurm node names; both are this host
 HOSTS_LINE = f"127.0.0.1 {' '.join(NODES)}  # rekindle tests/integration/test_slurm.py\n"
-STEPS = 120  # about 7 s of smoke training on 2 ranks (0.05 s a step): time to be signalled mid-run
-PREEMPT_AFTER = 20  # SIGTERM once rank 0 has finished this step
+STEPS = 160  # a few seconds of smoke training (0.02-0.05 s a step): time to lose a node and be signalled mid-run
+LOSE_AFTER = 20  # a node is lost once rank 0 has finished this step
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED"}
 
@@ -283,12 +287,56 @@ def wait_for_rank0_step(cluster: Cluster, jid: str, run_dir: Path, step: int, ti
     return found[0]
 
 
-def test_preempted_slurm_job_is_requeued_and_resumes_from_its_emergency_checkpoint(cache_dir, cluster):
+def rendezvous_port(n: int = len(NODES)) -> int:
+    """A port P with P .. P+n-1 free, below the ephemeral range (32768 and up on Linux): the recipe's i-th
+    endpoint listens at RDZV_PORT + i, and a port in that range can meanwhile become some connection's
+    own port (a launcher moving to that endpoint then finds it taken)."""
+    for _ in range(100):
+        base = random.randrange(20000, 32000)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free port range below 32000")
+
+
+def slurm_node_of(pid: int) -> str:
+    """The Slurm node a job's process runs on (its SLURMD_NODENAME): all of them share this host."""
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(b"SLURMD_NODENAME="):
+            return item.split(b"=", 1)[1].decode()
+    raise AssertionError(f"process {pid} runs outside the Slurm job")
+
+
+def lose_node(cluster: Cluster, node: str) -> list[int]:
+    """`node` lost as a crash loses it: every process of the job there SIGKILLed (its launcher, fork server
+    and the real trainer rank), then the node marked DOWN, as slurmctld concludes once its slurmd stops
+    answering (after SlurmdTimeout, minutes; this says it at once). Returns the pids killed."""
+    pids = processes_with(f"SLURMD_NODENAME={node}".encode())
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    cluster.slurm(which("scontrol"), "update", f"NodeName={node}", "State=DOWN", "Reason=lost-by-the-test")
+    return pids
+
+
+def test_a_lost_node_leaves_the_other_going_on_then_the_requeued_job_resumes_on_both(cache_dir, cluster):
+    """A 2-node allocation under `--nnodes 1:2` (MIN_NODES=1) loses a node mid-run (not the batch host): the
+    other goes on alone from the memory snapshot resharded, in process with its pid kept (or, when the lost
+    node hosted the rendezvous, at the next endpoint). Slurm's SIGTERM then
+    preempts it: it commits an emergency checkpoint and exits 75; the recipe requeues the job (srun
+    reports the lost node's task, 137, over the survivor's 75), the node is back, and on both nodes the
+    requeued job resumes from that committed step and finishes, with no step lost."""
     name = f"rekindle-{uuid.uuid4().hex[:8]}"
     run_dir = cluster.dir / "jobs" / "runs" / name  # the recipe's run.dir=runs/$SLURM_JOB_NAME
     # The recipe as it is; this cluster's differences through its variables and sbatch options.
     env = dict(cluster.env, PYTHONPATH=str(REPO), PYTHON=sys.executable, CONFIG=str(SMOKE), NPROC="1",
-               RDZV_PORT=str(free_port()))
+               RDZV_PORT=str(rendezvous_port()), MIN_NODES="1")
     jid = cluster.submit(name, env, f"train.steps={STEPS}", "train.eval_every=0", "train.log_every=10",
                          "checkpoint.every=1000", "log.progress=false")
     output = cluster.dir / "jobs" / f"{name}-{jid}.out"
@@ -296,37 +344,67 @@ def test_preempted_slurm_job_is_requeued_and_resumes_from_its_emergency_checkpoi
     def say() -> str:
         return f"job {jid}: {cluster.job(jid)}\n--- job output\n{tail(output, 60)}\n{cluster.logs()}"
 
-    beat = wait_for_rank0_step(cluster, jid, run_dir, PREEMPT_AFTER, timeout=120, explain=say)
-    cluster.slurm(which("scancel"), "--signal=TERM", jid)  # to the job's step (the launchers), as before the limit
+    wait_for_rank0_step(cluster, jid, run_dir, LOSE_AFTER, timeout=120, explain=say)
+    # Not the batch host: losing it ends the job script (and srun with it), which is Slurm's to requeue.
+    lost = next(n for n in NODES if n != cluster.job(jid)["BatchHost"])
+    # Both nodes are 127.0.0.1 here, so either launcher may have bound the first endpoint: if the lost
+    # node hosted the rendezvous, the survivor moves down the endpoint list and restarts its rank there;
+    # otherwise the rank goes on in process.
+    hosts = [e for e in read_events(run_dir) if e["event"] == "rendezvous" and e["hosted"]]
+    assert len(hosts) == 1, hosts
+    host_lost = slurm_node_of(int(hosts[0]["node"].rsplit(":", 1)[1])) == lost
+    assert lose_node(cluster, lost), say()
 
-    # RUNNING -> (exit 75, `scontrol requeue`) PENDING -> RUNNING -> COMPLETED: no final state in between.
+    def survivor_went_on() -> bool:
+        return any(e["event"] == "resume" for e in read_events(run_dir))
+
+    def stacks_then_say() -> str:  # the surviving launcher's stacks (SIGUSR1) into the job's output first
+        for pid in processes_with(f"SLURMD_NODENAME={next(n for n in NODES if n != lost)}".encode()):
+            with contextlib.suppress(OSError):
+                if b"launch" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3]:
+                    os.kill(pid, signal.SIGUSR1)
+        time.sleep(1)
+        return say()
+
+    cluster.wait(survivor_went_on, 30, "the survivor's resume", every=0.1, explain=stacks_then_say)
+    # The node back (or replaced): ReturnToService=2 returns it once its slurmd answers, RESUME if not yet.
+    cluster.slurm(which("scontrol"), "update", f"NodeName={lost}", "State=RESUME", check=False)
+    cluster.slurm(which("scancel"), "--signal=TERM", jid)  # to the job's step, as before the time limit
+
+    # RUNNING -> (exit 75 and 137, `scontrol requeue`) PENDING -> RUNNING -> COMPLETED.
     cluster.wait(lambda: cluster.job(jid).get("JobState") in FINAL_STATES, 150, f"end of job {jid}", explain=say)
     info = cluster.job(jid)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), say()
-    assert int(info["Restarts"]) == 1, say()  # requeued once, by the recipe on exit 75
+    assert int(info["Restarts"]) == 1, say()  # requeued once, by the recipe
 
     events = read_events(run_dir)
     done = [i for i, e in enumerate(events) if e["event"] == "done"]
-    assert len(done) == 4, say()  # two nodes, two attempts
-    first, second = events[: done[1] + 1], events[done[1] + 1:]
-    # Attempt 1: both launchers preempted, exit 75, and they agree on the step committed.
-    preempts = [e for e in first if e["event"] == "preempt"]
-    assert len(preempts) == 2 and all(e["signal"] == "SIGTERM" for e in preempts), preempts
-    ends = [e for e in first if e["event"] == "done"]
-    assert [(e["exit_code"], e["outcome"]) for e in ends] == [(75, "preempted")] * 2, ends
-    committed = {e["committed_step"] for e in ends}
-    assert len(committed) == 1, ends  # the same on both nodes
-    step = committed.pop()
-    commits = [e["step"] for e in first if e["event"] == "commit"]
-    assert commits == [step], commits  # checkpoint.every=1000: the emergency checkpoint is the only one
-    assert step >= max([beat["step"], *(e["step"] for e in preempts)]), (step, beat, preempts)  # nothing finished lost
-    assert step < STEPS, step  # it was preempted mid-run
-    assert output.read_text().count("-> exit 75") == 2, say()
-    # Attempt 2 (the requeued job): both launchers start again, resume from the emergency step and finish.
+    assert len(done) == 3, say()  # attempt 1: the survivor only; attempt 2: both nodes
+    first, second = events[: done[0] + 1], events[done[0] + 1:]
+    # Attempt 1: the survivor goes on alone from the memory snapshot resharded: in process (its pid
+    # kept) when the lost node did not host the rendezvous, else at the next endpoint, moved to.
+    resumed = next(e for e in first if e["event"] == "resume")
+    assert resumed["tier"] == "memory-reshard", resumed
+    if host_lost:
+        moved = [e for e in first if e["event"] == "rendezvous" and e["hosted"] and e["index"] == 1]
+        assert len(moved) == 1 and resumed["path"] == "restart", (moved, resumed)
+    else:
+        failure = next(e for e in first if e["event"] == "failure")
+        assert (failure["cause"], failure["path"], resumed["path"]) == ("node", "in-process", "in-process"), first
+        assert len(next(e for e in first if e["event"] == "in_process_done")["kept_pids"]) == 1, first
+    # ... then SIGTERM: an emergency checkpoint, exit 75, nothing it had finished lost.
+    preempt = next(e for e in first if e["event"] == "preempt")
+    end = events[done[0]]
+    assert (end["exit_code"], end["outcome"]) == (75, "preempted"), end
+    step = end["committed_step"]
+    assert [e["step"] for e in first if e["event"] == "commit"] == [step], first  # the only commit
+    assert preempt["step"] <= step < STEPS, (preempt, step)
+    assert output.read_text().count("-> exit 75") == 1, say()
+    # Attempt 2 (the requeued job): both launchers start, resume from that step exactly and finish.
     assert sum(e["event"] == "start" for e in second) == 2, second
     ends = [e for e in second if e["event"] == "done"]
     assert [(e["exit_code"], e["outcome"]) for e in ends] == [(0, "done")] * 2, ends
-    for e in ends:  # resumed from `step` exactly: every step after it trained once more, none before
+    for e in ends:  # every step after `step` trained once more, none before
         assert (e["final_step"], e["final_step"] - e["steps_kept"]) == (STEPS, step), e
     assert f"resumed from step {step} " in output.read_text(), say()
     assert [e["step"] for e in second if e["event"] == "commit"][-1] == STEPS

@@ -218,3 +218,37 @@ def test_a_torn_error_file_of_a_killed_rank_is_dropped_and_a_whole_one_kept(tmp_
     for path in (torn, whole, tmp_path / "missing.json"):
         _drop_torn_error_file(str(path))
     assert not torn.exists() and whole.exists()
+
+
+def test_a_survivor_that_never_notices_the_failure_is_replaced_in_the_same_generation():
+    """launch.inprocess: UNAWARE_S after rank 1's death, rank 2 still trains in the failed generation (rank 0
+    is recovering): it is reported once, its exit starts it again in the same generation, not as a second
+    failure. When no survivor of a single node noticed, the recovery is dropped for a full restart."""
+    from launch.failures import RankExit
+    from launch.inprocess import UNAWARE_S, InProcessRecovery
+    from trainer.contract import GENERATION_ENV
+
+    def beats(phase_of_2: str) -> dict[int, dict]:
+        return {0: {"pid": 100, "phase": "recover", "recovering": 1, "generation": 0},
+                1: {"pid": 101, "phase": "train", "generation": 0},
+                2: {"pid": 102, "phase": phase_of_2, "generation": 0}}
+
+    inproc = InProcessRecovery(enabled=True, single_node=True)
+    died = {1: RankExit(1, 1, -9, 0.0)}
+    env, why = inproc.offer(died, beats("train"), Failure(1, "signal", 5), {0: 100, 1: 101, 2: 102})
+    assert env == {GENERATION_ENV: "1"} and not why
+    noticed = inproc.pending.noticed
+    assert inproc.unaware_ranks(beats("train"), noticed + UNAWARE_S / 2) == ({}, None)  # not yet
+    assert inproc.unaware_ranks(beats("train"), noticed + UNAWARE_S) == ({2: 102}, None)
+    assert inproc.unaware_ranks(beats("train"), noticed + UNAWARE_S + 1) == ({}, None)  # once
+    assert 102 in inproc.dead_pids()  # the watchdog leaves it alone meanwhile
+    assert inproc.replace_unaware(died, beats("train")) is None  # not one of them
+    assert inproc.replace_unaware({2: RankExit(2, 2, -9, 0.0)}, beats("train")) == {GENERATION_ENV: "1"}
+    assert inproc.pending.replaced == [1, 2] and inproc.pending.kept == {0: 100}
+
+    # Neither survivor noticed: nobody is left to take the run's settings from.
+    inproc = InProcessRecovery(enabled=True, single_node=True)
+    unaware = {**beats("train"), 0: {"pid": 100, "phase": "train", "generation": 0}}
+    inproc.offer(died, unaware, Failure(1, "signal", 5), {0: 100, 1: 101, 2: 102})
+    kill, stuck = inproc.unaware_ranks(unaware, inproc.pending.noticed + UNAWARE_S)
+    assert kill == {} and stuck[0] == 1 and "no rank noticed" in stuck[1] and inproc.pending is None

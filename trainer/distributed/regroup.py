@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +46,12 @@ RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 class RejoinFailed(RuntimeError):
     """The ranks did not all come back within the bound: the launcher falls back to a full restart."""
 
+
+# How often a rank asks the store whether another rank noticed a failure (one key: cheap), and how long
+# after that it leaves on its own when its own collective has not failed meanwhile (trainer.recover).
+WATCH_S = 0.1
+NOTICE_GRACE_S = 0.2
+FAILED_KEY = "g{generation}/failed"  # set by the first ranks to notice that `generation`'s predecessor failed
 
 # How often a waiting survivor asks the store: every survivor asks, and on a few cores their asking
 # takes CPU from the replacement they wait for (7 survivors at 2 ms: about a sixth of 2 cores).
@@ -65,6 +73,12 @@ def publish_smaller_world(store: dist.Store, generation: int, survivors: list[in
     ranks = {old: new for new, old in enumerate(sorted(survivors))}
     store.set(WORLD_KEY.format(generation=generation), json.dumps({"ranks": ranks}))
     return ranks
+
+
+def announce_failure(store: dist.Store, generation: int) -> None:
+    """The launcher's side: a rank died and `generation` starts; a rank that has not noticed leaves (its
+    watch thread, `Regroup._watch`)."""
+    store.set(FAILED_KEY.format(generation=generation), "launcher")
 
 
 def arrived_ranks(store: dist.Store, generation: int, world: int) -> list[int]:
@@ -103,6 +117,8 @@ class Regroup:
     timeout_s: float = 60.0
     skip_ports: set[int] = field(default_factory=set)  # store connections are not the groups'
     _sockets: set[str] = field(default_factory=set)  # the current generation's group connections
+    _recovering: bool = False  # this rank's own recovery (trainer.recover) has begun
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # the watch thread's leave() against it
 
     @classmethod
     def from_env(cls, rank: int, world: int, timeout_s: float) -> Regroup | None:
@@ -110,9 +126,40 @@ class Regroup:
         where = os.environ.get(COORD_STORE_ENV, "")
         if not where or world < 2:
             return None
-        store = coordination_store(where, os.environ.get(RUN_ID_ENV, ""), attempt(), timeout_s)
+        run_id = os.environ.get(RUN_ID_ENV, "")
+        store = coordination_store(where, run_id, attempt(), timeout_s)
         skip = {int(where.rpartition(":")[2]), int(os.environ.get("MASTER_PORT", "0") or 0)}
-        return cls(store, rank, world, int(os.environ.get(GENERATION_ENV, "0")), timeout_s, skip)
+        regroup = cls(store, rank, world, int(os.environ.get(GENERATION_ENV, "0")), timeout_s, skip)
+        watch_store = coordination_store(where, run_id, attempt(), timeout_s)  # a connection of the thread's own
+        threading.Thread(target=regroup._watch, args=(watch_store,), name="regroup-watch", daemon=True).start()
+        return regroup
+
+    # ------------------------------------------------------------------ noticing a failure
+    def noticed(self, generation: int) -> None:
+        """This rank's recovery towards `generation` begins: say so to the ranks that have not noticed (the
+        watch thread of each), and stop this rank's own watch thread from leaving on its behalf."""
+        with self._lock:
+            self._recovering = True
+        self.store.set(FAILED_KEY.format(generation=generation), str(self.rank))
+
+    def _watch(self, store: dist.Store) -> None:
+        """The watch thread: another rank noticed a failure and this rank, NOTICE_GRACE_S later, has not
+        (gloo fails only the operations of the connection that broke: a rank blocked in a receive from a
+        survivor can wait for the group's timeout): leave the generation here, which fails that receive."""
+        while True:
+            time.sleep(WATCH_S)
+            generation = self.generation + 1
+            try:
+                if not store.check([FAILED_KEY.format(generation=generation)]):
+                    continue
+            except dist.DistError:  # the launcher's store is gone: the launcher ends this rank
+                return
+            time.sleep(NOTICE_GRACE_S)
+            with self._lock:
+                if not self._recovering and self.generation + 1 == generation:
+                    cut = self.leave()
+                    sys.stderr.write(f"[rekindle] rank {self.rank}: another rank noticed the failure of generation "
+                                     f"{generation - 1} and this one had not: left it ({cut} connection(s) shut)\n")
 
     # ------------------------------------------------------------------ the groups' connections
     @contextmanager
@@ -204,6 +251,7 @@ class Regroup:
             mapping = {old[0][0]: dist.group.WORLD}
             for pg, _, ranks, backend in old[1:]:
                 mapping[pg] = dist.new_group(ranks, backend=backend, timeout=timeout)
+        self._recovering = False
         renamed = [(name, new.group_name) for (pg, name, _, _), new in zip(old, mapping.values(), strict=True)
                    if new.group_name != name]
         if renamed:
@@ -213,7 +261,7 @@ class Regroup:
     def reform_smaller(self, generation: int, world: SmallerWorld, backend: str, device: torch.device) -> None:
         """Destroy this process's groups and form the default group of `generation` in the smaller world
         (this rank's new rank and size); the others are made again by whatever makes them (trainer.run.build)."""
-        self.generation, self.rank, self.world = generation, world.rank, world.world
+        self.generation, self.rank, self.world, self._recovering = generation, world.rank, world.world, False
         dist.destroy_process_group()
         with self.tracking():
             dist.init_process_group(backend, store=self.group_store(generation), rank=world.rank,
