@@ -64,8 +64,8 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
     """Rank 1 SIGKILLed at step 8, then rank 2 SIGSTOPped (a hang: the watchdog SIGKILLs it alone) 12 or
     more steps after that recovery, then rank 3 SIGKILLed while rank 1 is frozen (it never notices: it is
     replaced too, with any rank its failure never reached): each time only those ranks get a new process,
-    the others keep theirs; nothing is lost, the run is bit-identical to an uninterrupted one, and the cost summary counts the time lost to
-    the failures."""
+    the others keep theirs; nothing is lost, the run is bit-identical to an uninterrupted one, and the cost
+    summary counts the time lost to the failures."""
     hang_timeout = 3.0
     run_dir = tmp_path / "run"
     proc = start(run_dir, tmp_path, [f"fault.hang_timeout_s={hang_timeout}", "log.cost_per_device_hour=3.0"])
