@@ -190,7 +190,7 @@ class Supervisor(Meeting):
             for rank, pid in unaware.items():  # killed, then started again
                 log.info(f"rank {rank} (pid {pid}) still trains in the failed generation {UNAWARE_S:.0f}s after the "
                          f"failure (blocked where no error reaches it): killing it, to start it again too")
-                self.ledger.event("in_process_unaware", rank=rank, pid=pid)
+                self.ledger.event("in_process_unaware", rank=rank, pid=pid, generation=self.inproc.generation)
                 kill_group(pid)
             if lost := self.inproc.lost_node(beats, sorted(self.agent.global_ranks().values()), now):
                 return self._go_smaller(*lost, beats)

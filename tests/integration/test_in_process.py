@@ -89,14 +89,17 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
 
-    assert middle[1] != before[1] and {r: middle[r] for r in (0, 2, 3)} == {r: before[r] for r in (0, 2, 3)}, \
-        (before, middle)
-    assert after[2] != middle[2] and {r: after[r] for r in (0, 1, 3)} == {r: middle[r] for r in (0, 1, 3)}, \
-        (middle, after)
-    unaware = {e["rank"]: e["pid"] for e in events(run_dir, "in_process_unaware")}
-    assert 1 in unaware and set(unaware) <= {0, 1, 2} and all(after[r] == pid for r, pid in unaware.items()), unaware
-    third = sorted({3, *unaware})
-    assert all((last[r] != after[r]) == (r in third) for r in range(RANKS)), (after, last, unaware)
+    # Each time the failed rank gets a new process, and so does any survivor its failure never reached
+    # (ledger: in_process_unaware; killed after UNAWARE_S, which the watch threads make rare), the others
+    # keep theirs. The frozen rank 1 is one of those at the third failure, always.
+    said = "\n".join(line for line in out.splitlines() if "[launch]" in line or "noticed the failure" in line)
+    unaware = [(e["generation"], e["rank"]) for e in events(run_dir, "in_process_unaware")]
+    replaced = []
+    for generation, (victim, old, new) in enumerate(((1, before, middle), (2, middle, after), (3, after, last)), 1):
+        gone = sorted({victim, *(r for g, r in unaware if g == generation)})
+        assert all((new[r] != old[r]) == (r in gone) for r in range(RANKS)), (old, new, gone, said)
+        replaced.append(gone)
+    assert 1 in replaced[2] and sum(len(gone) - 1 for gone in replaced[:2]) <= 1, (replaced, said)  # rare
     kill, hang, _ = events(run_dir, "failure")
     assert (kill["rank"], kill["signal"], kill["path"]) == (1, "SIGKILL", "in-process"), kill
     assert (hang["rank"], hang["cause"], hang["path"]) == (2, "hang", "in-process"), hang
@@ -105,15 +108,14 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
     resumes = events(run_dir, "resume")
     # (A kill that lands while a snapshot is written redoes one more step, as any resume does.)
     assert [(r["path"], r["replaced"], r["tier"]) for r in resumes] == \
-        [("in-process", [1], "memory-local"), ("in-process", [2], "memory-local"),
-         ("in-process", third, "memory-local")], resumes
+        [("in-process", gone, "memory-local") for gone in replaced], resumes
     assert all(r["lost_steps"] <= 1 for r in resumes), resumes
     for resume in resumes:
         parts = [resume[k] for k in ("leave_s", "wait_s", "reform_s", "restore_s", "first_step_s")]
         assert all(p >= 0 for p in parts) and sum(parts) <= resume["recovery_s"] + 0.01, resume
     kept = [sorted(e["kept_pids"]) for e in events(run_dir, "in_process_done")]
-    assert kept == [sorted(before[r] for r in (0, 2, 3)), sorted(middle[r] for r in (0, 1, 3)),
-                    sorted(after[r] for r in range(RANKS) if r not in third)], kept
+    assert kept == [sorted(old[r] for r in range(RANKS) if r not in gone)
+                    for old, gone in zip((before, middle, after), replaced, strict=True)], kept
     assert "restarting the failed rank(s) alone" in out and "restarting the worker group" not in out
     done = read_events(run_dir)[-1]
     assert done["event"] == "done" and done["restarts"] == 3, done
