@@ -7,7 +7,10 @@ What it changes in torchrun's behaviour:
   collectives with a dead peer), and the ranks still alive then are remembered as victims;
 - a restart stops the old group before the backoff, not after it (a hung rank must not hold its
   memory or GPU through the wait); a membership change first drains the ranks (SIGTERM, then the
-  grace period to commit an emergency checkpoint);
+  grace period to commit an emergency checkpoint), unless the node waiting is one of the group's own
+  that restarted it (a failure there): then it is a failure here too, restarted at once;
+- the ranks are told the group's rendezvous round (`ROUND_ENV`), the same on every node: their
+  coordination store's prefix (a node's restart count is not the same everywhere);
 - between worker groups a signal to the launcher starts nothing more (`Stopping`).
 Everything else is asked of the `Hooks` (the supervisor): what to log, how long to back off, whether a
 running group is healthy."""
@@ -31,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from launch.failures import RankExit
-from trainer.contract import check_elastic_agent, is_alive
+from trainer.contract import ROUND_ENV, check_elastic_agent, is_alive
 
 EXIT_BARRIER_S = 60  # torchelastic's: the nodes of a finished group wait for each other before exiting
 SURVIVOR_GRACE_S = 5  # the most a failed group's survivors get to exit before SIGKILL (torchrun: 30)
@@ -79,6 +82,11 @@ class Hooks(Protocol):
     def review(self, status: GroupStatus) -> bool:
         """Every monitor interval; True declares a running group unhealthy (it is restarted)."""
 
+    def group_left(self, nodes: list[str]) -> bool:
+        """`nodes` of the running group left it to meet again (their launcher restarted it: a failure there)
+        while the ranks here still run: True restarts the group here too, as a failure; False stops (the
+        restart policy says so)."""
+
     def replace_failed(self, exits: dict[int, RankExit]) -> dict[str, str] | None:
         """Ranks of the running group failed (`exits`, by global rank) while the others still run: the
         environment to start their replacements with (in-process recovery: only they restart), or None
@@ -87,6 +95,10 @@ class Hooks(Protocol):
 
 class Stopping(Exception):
     """Raised on the agent's thread when a signal arrived between worker groups: start nothing more."""
+
+
+class _NoRestartLeft(Exception):
+    """Raised on the agent's thread when the group broke and the restart policy says stop."""
 
 
 class SupervisedAgent(LocalElasticAgent):
@@ -98,13 +110,17 @@ class SupervisedAgent(LocalElasticAgent):
         check_elastic_agent(self)  # what follows overrides and reads torchelastic's private members
         self.spec, self.hooks, self.drain_grace_s = spec, hooks, drain_grace_s
         self._victims: set[int] = set()  # local ranks still alive when the group was torn down
+        self._round, self._round_nodes = "", frozenset()  # the running group's rendezvous round and its nodes
 
     # ------------------------------------------------------------------ the supervisor's interface
     def supervise(self) -> str:
         """Run worker groups until one succeeds ("succeeded") or no restart is left ("failed"); "closed" when
         the others closed the rendezvous while this node waited to join (torchelastic returns nothing then).
         Raises `Stopping` when a signal arrived between groups."""
-        result = self.run()
+        try:
+            result = self.run()
+        except _NoRestartLeft:
+            return "failed"
         if result is None:
             return "closed"
         return "succeeded" if result.state == WorkerState.SUCCEEDED else "failed"
@@ -149,13 +165,17 @@ class SupervisedAgent(LocalElasticAgent):
     def run_id(self) -> str:
         return self.spec.rdzv_handler.get_run_id()
 
+    def round(self) -> str:
+        """The running worker group's name, the same on every node: its rendezvous round ("r3")."""
+        return self._round
+
     def group(self) -> tuple[str, int, int] | None:
-        """The running worker group: its store's address (new each rendezvous round), this node's rank in
-        it and its number of nodes; None between groups."""
+        """The running worker group: its name (`round`), this node's rank in it and its number of nodes;
+        None between groups."""
         g = self._worker_group
-        if g.group_rank is None or g.master_addr is None:
+        if g.group_rank is None or not self._round:
             return None
-        return f"{g.master_addr}:{g.master_port}", g.group_rank, g.group_world_size
+        return self._round, g.group_rank, g.group_world_size
 
     def waiting_as_spare(self) -> bool:
         """Whether this node waits in the rendezvous's redundancy list (the job has its --nnodes MAX nodes):
@@ -190,6 +210,11 @@ class SupervisedAgent(LocalElasticAgent):
     # ------------------------------------------------------------------ torchelastic's methods, overridden
     def _restart_count(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def _rendezvous(self, worker_group) -> None:
+        super()._rendezvous(worker_group)
+        self._round, self._round_nodes = round_of(self.spec.rdzv_handler, worker_group)
+        os.environ[ROUND_ENV] = self._round  # the ranks' (torchelastic starts them with os.environ and its own)
 
     def _start_workers(self, worker_group):
         if self.hooks.signalled():
@@ -230,6 +255,12 @@ class SupervisedAgent(LocalElasticAgent):
         group only when a node waits to join (a membership change): the ranks are drained first, so
         that the new group loses no step."""
         membership = worker_group.state == WorkerState.HEALTHY
+        if membership and (left := nodes_that_left(self.spec.rdzv_handler, self._round_nodes)):
+            membership = False  # a failure elsewhere: the ranks here wait for ranks that are gone
+            if not self.hooks.group_left(left):
+                self._stop_workers(worker_group)
+                raise _NoRestartLeft()
+            self._remaining_restarts = max(self._remaining_restarts - 1, 0)  # counted as torchelastic counts failures
         if membership:
             self.drain(self.drain_grace_s)
         self._stop_workers(worker_group)
@@ -296,6 +327,28 @@ class SupervisedAgent(LocalElasticAgent):
                 stdout=pcontext.stdouts[lr], stderr=pcontext.stderrs[lr], local_rank_id=lr)
             worker_group.workers[lr].id = handlers[lr].proc.pid
         return True
+
+
+def round_of(handler, group) -> tuple[str, frozenset]:
+    """(name, nodes) of the rendezvous round just met, from torch's private rendezvous state; when torch
+    moved it, the group's store address (the same every round its rank-0 node keeps) and no nodes."""
+    try:
+        state = handler._state_holder.state
+        return f"r{state.round}", frozenset(state.participants)
+    except AttributeError:
+        return f"{group.master_addr}:{group.master_port}", frozenset()
+
+
+def nodes_that_left(handler, round_nodes: frozenset) -> list[str]:
+    """Nodes of a round (`round_nodes`, from `round_of`) now waiting to meet again: their launcher restarted
+    the group. From torch's private rendezvous state as the handler's last sync left it (`num_nodes_waiting`
+    syncs); [] when torch moved it."""
+    try:
+        state = handler._state_holder.state
+        left = (set(state.wait_list) | set(state.redundancy_list)) & round_nodes
+    except AttributeError:
+        return []
+    return sorted(f"{node.addr}:{node.pid}" for node in left)
 
 
 def _drop_torn_error_file(path: str) -> None:

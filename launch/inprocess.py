@@ -149,13 +149,12 @@ class InProcessRecovery:
         self.pending = Pending(generation, noticed, [], kept, "node", frozenset(), lost)
         return self.pending
 
-    def smaller_world(self, agent, generation: int, min_nodes: int, store_at: str,
-                      restart: int) -> tuple[list[int], str]:
+    def smaller_world(self, agent, generation: int, min_nodes: int, store_at: str) -> tuple[list[int], str]:
         """The survivors of a lost node are all here: publish the smaller world they go on in (their new
         ranks, on the ranks' coordination store at `store_at`) and renumber the agent's group. Returns
         (the lost ranks, why not: '' when published)."""
         local, world = agent.global_ranks(), agent.world_size()
-        store = coordination_store(store_at, agent.run_id(), restart, 30.0)
+        store = coordination_store(store_at, agent.run_id(), agent.round(), 30.0)
         arrived = arrived_ranks(store, generation, world)
         lost = sorted(set(range(world)) - set(arrived))
         if set(arrived) != set(local.values()):
@@ -207,13 +206,13 @@ def print_stacks(beats: dict[int, dict]) -> None:
     time.sleep(0.5 if beats else 0.0)
 
 
-def tell_the_ranks(store_at: str, run_id: str, restart: int, generation: int) -> None:
-    """A rank died and `generation` starts: tell the ranks on their coordination store, so that one whose
-    collective did not fail leaves by itself (trainer.distributed.regroup's watch thread) instead of waiting
-    for UNAWARE_S. Best effort (the ranks that noticed say so too), on a thread: the replacement's start
-    does not wait for it."""
+def tell_the_ranks(store_at: str, run_id: str, group: str, generation: int) -> None:
+    """A rank died and `generation` starts: tell the ranks of the worker group (`group`: its rendezvous
+    round, SupervisedAgent.round) on their coordination store, so that one whose collective did not fail
+    leaves by itself (trainer.distributed.regroup's watch thread) instead of waiting for UNAWARE_S. Best
+    effort (the ranks that noticed say so too), on a thread: the replacement's start does not wait for it."""
     def tell() -> None:
         with contextlib.suppress(Exception):
-            announce_failure(coordination_store(store_at, run_id, restart, 5.0), generation)
+            announce_failure(coordination_store(store_at, run_id, group, 5.0), generation)
 
     threading.Thread(target=tell, name="tell-the-ranks", daemon=True).start()

@@ -25,7 +25,7 @@ from torch.distributed import TCPStore
 INTERVAL_S = 0.5  # how often each launcher counts up (and reads the others)
 LOST_S = 5.0  # silence after which a launcher, or the store, is lost
 KEY = "rekindle/alive/{node}"
-MEMBER_KEY = "rekindle/members/{group}/{rank}"  # group: the worker group's store address (new each round)
+MEMBER_KEY = "rekindle/members/{group}/{rank}"  # group: the worker group's rendezvous round (SupervisedAgent.round)
 
 
 class Liveness:
@@ -50,7 +50,7 @@ class Liveness:
         self._stop.set()
 
     def join(self, group: str, rank: int, size: int) -> None:
-        """A new worker group (`group`: its store's address, unique per round): watch its other nodes."""
+        """A new worker group (`group`: its rendezvous round, unique per meeting): watch its other nodes."""
         with self._lock:
             self._group, self._members = (group, rank, size), {}
 

@@ -115,6 +115,16 @@ class Meeting:
                                                 f"{quiet:.0f}s")
         return True
 
+    def group_left(self, nodes: list[str]) -> bool:
+        """The agent's hook: nodes of the group restarted it (a failure there) while the ranks here ran on,
+        blocked in collectives with ranks that are gone. A failure here too: the group restarts at once,
+        without the drain a node joining gets (SIGTERM and the grace period for an emergency checkpoint,
+        which those collectives never let the ranks commit). False when the restart policy stops."""
+        self._on_failure(Failure(0, "node", self._last_step() + 1, key="node restarted the group",
+                                 message=f"node(s) {', '.join(nodes)} left the worker group to meet again (a failure "
+                                         f"there): the ranks here wait for ranks that are gone"), "")
+        return self._decision is None
+
     def _silent_nodes(self) -> bool:
         """In review: nodes of the group went silent. True restarts the group without them (or, without a
         strict majority answering, ends this node: exit 75)."""

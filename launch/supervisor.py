@@ -149,7 +149,7 @@ class Supervisor(Meeting):
             self._recorded = True
             return None
         pending = self.inproc.pending
-        tell_the_ranks(os.environ.get(COORD_STORE_ENV, ""), self.agent.run_id(), self.attempt, pending.generation)
+        tell_the_ranks(os.environ.get(COORD_STORE_ENV, ""), self.agent.run_id(), self.agent.round(), pending.generation)
         self.ledger.attempt_started(self.attempt, pending.noticed, "failure", path="in-process")
         log.info(f"in-process recovery, generation {pending.generation}: starting rank(s) {pending.replaced} "
                  f"again; the other ranks keep their processes (pids {sorted(pending.kept.values())} here)")
@@ -221,8 +221,7 @@ class Supervisor(Meeting):
         """Every rank here waits for ranks of other nodes nobody replaces: their node is lost. The survivors go
         on in process in a smaller world; when they cannot, the group restarts (True)."""
         kept = {lr: beats[rank]["pid"] for lr, rank in self.agent.global_ranks().items() if rank in beats}
-        lost, why = self.inproc.smaller_world(self.agent, generation, self.opts.min_nodes, os.environ[COORD_STORE_ENV],
-                                              self.attempt)
+        lost, why = self.inproc.smaller_world(self.agent, generation, self.opts.min_nodes, os.environ[COORD_STORE_ENV])
         failure = Failure(lost[0] if lost else 0, "node", self._last_step() + 1, key="node lost",
                           message=f"rank(s) {lost} of another node stopped answering: the node is lost")
         if why:

@@ -39,6 +39,7 @@ from trainer.runtime.protocol import (
     GENERATION_ENV,
     HEARTBEAT_DIR_ENV,
     LAUNCHER_PID_ENV,
+    ROUND_ENV,
     append_event,
     read_heartbeats,
 )
@@ -71,7 +72,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "COORD_STORE_ENV", "GENERATION_ENV", "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED",
-    "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV", "JOB_ENV", "LAUNCHER_PID_ENV", "Config", "ConfigError",
+    "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV", "JOB_ENV", "LAUNCHER_PID_ENV", "ROUND_ENV", "Config",
+    "ConfigError",
     "append_event", "atomic_file", "cost_report", "die_with_parent", "exit_now", "format_cost", "is_alive", "load",
     "logs", "proc_stat", "read_heartbeats", "scratch_prefix", "sweep_scratch", "temp_name", "validate", *_LAZY,
 ]

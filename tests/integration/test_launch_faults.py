@@ -14,6 +14,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -302,26 +303,55 @@ def test_signal_while_waiting_for_other_nodes_stops_the_launcher(cache_dir, tmp_
     assert proc.returncode == 75 and "no worker group is running: stopping now" in out, out[-3000:]
 
 
-def test_a_node_joining_loses_no_step(cache_dir, tmp_path):
+def node_beat(run_dir: Path, launcher_pid: int) -> dict | None:
+    """The newest heartbeat of the ranks a launcher ran (one at a time here; None before the first)."""
+    beats = [b for d in run_dir.glob(f"heartbeats-*{launcher_pid}-*") for b in read_heartbeats(d).values()]
+    return max(beats, key=lambda b: b["t_proc"], default=None)
+
+
+def test_a_node_joining_loses_no_step_and_a_node_restarting_the_group_is_a_failure(cache_dir, tmp_path):
     """--nnodes 1:2: a second launcher joins a running job. The first group gets SIGTERM and commits
-    an emergency checkpoint (no periodic one is due), and the 2-node group resumes from exactly there."""
+    an emergency checkpoint (no periodic one is due), and the 2-node group resumes from exactly there.
+    Then the guest's rank is SIGKILLed while the host's is SIGSTOPped (it cannot fail by itself): the
+    guest's launcher restarts the group and waits to meet again. The host's takes that for a failure and
+    restarts at once, not for a node joining (SIGTERM, then a 30 s grace that the stopped rank never ends)."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=scale-up"]
     overrides = ["train.steps=400", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
     host = launch(tmp_path, overrides, nproc=1, extra_args=args)
-    wait_for_step(tmp_path, 10)
+    alone = wait_for_step(tmp_path, 10)
     guest = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    deadline, beats, joined = time.time() + 120, [], None
+    while joined is None or len(beats) < 2 or min(b["step"] for b in beats) < joined["step"] + 5:  # both train
+        assert time.time() < deadline and host.poll() is None and guest.poll() is None, beats
+        time.sleep(0.05)
+        joined = next((e for e in read_events(tmp_path) if e["event"] == "resume"), None)
+        beats = [b for p in (host, guest) if (b := node_beat(tmp_path, p.pid)) is not None]
+    # The ranks name their coordination store after the group's rendezvous round: the same on both nodes, and
+    # new after the membership change (which torchelastic's restart count is not: a failure noticed before
+    # it would be seen again by the new group's ranks).
+    assert beats[0]["group"] == beats[1]["group"] != alone["group"], (alone, beats)
+    os.kill(beats[0]["pid"], signal.SIGSTOP)
+    os.kill(beats[1]["pid"], signal.SIGKILL)
+    killed = time.time()
     outs = [finish(host, timeout=240), finish(guest, timeout=240)]
     assert host.returncode == 0 and guest.returncode == 0, outs[0][-3000:] + outs[1][-3000:]
     events = read_events(tmp_path)
-    restart = next(e for e in events if e["event"] == "restart")
-    assert restart["reason"] == "membership change"
+    drained = next(e for e in events if e["event"] == "restart")
+    assert drained["reason"] == "membership change"
     commits = [e["step"] for e in events if e["event"] == "commit"]
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["reason"] == "membership change" and resume["lost_steps"] == 0, resume
     assert resume["step"] == commits[0] > 10, (resume, commits)
     assert "world 2 (gloo" in outs[0] + outs[1]
-    assert not [e for e in events if e["event"] == "failure"]
+
+    later = [e for e in events if e["time"] > killed]
+    host_node = f"{socket.gethostname()}:{host.pid}"
+    failures = [e for e in later if e["event"] == "failure" and e["node"] == host_node]
+    assert [e["cause"] for e in failures] == ["node"] and "left the worker group" in failures[0]["message"], later
+    assert failures[0]["time"] - killed < 10, later  # not the drain's 30 s
+    assert [e["reason"] for e in later if e["event"] == "restart"] == ["failure", "failure"], later
+    assert [e["node"] for e in later if e["event"] == "resume"], later
 
 
 def listening_addresses(pids: list[int]) -> set[str]:

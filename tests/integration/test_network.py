@@ -63,10 +63,10 @@ def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_
 
         # 1. A slow link: slower, and no verdict.
         net.slow(1, "20mbit")
-        slowed = last_step(run_dir)
-        time.sleep(6.0)
+        slowed, since = last_step(run_dir), time.time()
+        wait_for("a step on the slow link", lambda: last_step(run_dir) > slowed, 60)  # (records come in batches)
+        time.sleep(max(0.0, 6.0 - (time.time() - since)))
         net.unslow(1)
-        assert last_step(run_dir) > slowed
         assert not [e for e in events() if e["event"] in ("failure", "straggler", "partition")], events()[-5:]
 
         # 2. A partition: node 2 cut off.
@@ -75,7 +75,12 @@ def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_
         wait_for("a resume without node 2", lambda: sum(e["event"] == "resume" and e["time"] > cut
                                                        for e in events()) >= 2, 60)
         failures = [e for e in events() if e["event"] == "failure" and e["time"] > cut]
-        assert failures and all(e["cause"] == "node" and nodes[2] in e["message"] for e in failures), failures
+        # Each survivor's own verdict names node 2; one that the other's restart reached first says so instead
+        # (a failure, restarted at once: not a node joining, whose drain waits for an emergency checkpoint).
+        assert failures and all(e["cause"] == "node" and (nodes[2] in e["message"] or "left the worker group"
+                                                          in e["message"]) for e in failures), failures
+        assert any(nodes[2] in e["message"] for e in failures), failures
+        assert not [e for e in events() if e["event"] == "restart" and e["time"] > cut and e["reason"] != "failure"]
         assert min(e["time"] for e in failures) - cut < 15, failures  # liveness.LOST_S and a poll, not a timeout
         partitions = [e for e in events() if e["event"] == "partition"]
         assert any(e.get("cut_off") == nodes[2] for e in partitions), partitions  # node 2's own account

@@ -19,7 +19,8 @@ Why this shape:
   waiting for replacements (`publish_smaller_world`); its survivors form the default group at their new
   ranks (`reform_smaller`) and build the rest of the run again (trainer.recover).
 - The store is the launcher's (the rendezvous store, `COORD_STORE_ENV`): it outlives any rank, rank
-  0 included. Keys live under `rekindle/inproc/<rendezvous run id>/<attempt>/<generation>/`.
+  0 included. Keys live under `rekindle/inproc/<rendezvous run id>/<round>/<generation>/` (the worker group's
+  rendezvous round: `protocol.worker_group`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.runtime.protocol import COORD_STORE_ENV, GENERATION_ENV, attempt
+from trainer.runtime.protocol import COORD_STORE_ENV, GENERATION_ENV, worker_group
 
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
@@ -86,11 +87,12 @@ def arrived_ranks(store: dist.Store, generation: int, world: int) -> list[int]:
     return [r for r in range(world) if store.check([f"g{generation}/arrived/{r}"])]
 
 
-def coordination_store(where: str, run_id: str, restart: int, timeout_s: float) -> dist.Store:
-    """The store the ranks of one attempt (`restart`) coordinate on, at `where` (host:port)."""
+def coordination_store(where: str, run_id: str, group: str, timeout_s: float) -> dist.Store:
+    """The store the ranks of one worker group (`group`: its rendezvous round, `protocol.worker_group`)
+    coordinate on, at `where` (host:port)."""
     host, _, port = where.rpartition(":")
     client = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s))
-    return dist.PrefixStore(f"rekindle/inproc/{run_id}/{restart}", client)
+    return dist.PrefixStore(f"rekindle/inproc/{run_id}/{group}", client)
 
 
 def _open_sockets() -> dict[str, int]:
@@ -110,7 +112,7 @@ def _open_sockets() -> dict[str, int]:
 class Regroup:
     """One rank's handle on in-process recovery (None of it applies at world size 1)."""
 
-    store: dist.Store  # the launcher's store, under this job's attempt prefix
+    store: dist.Store  # the launcher's store, under this worker group's prefix
     rank: int
     world: int
     generation: int = 0
@@ -127,10 +129,10 @@ class Regroup:
         if not where or world < 2:
             return None
         run_id = os.environ.get(RUN_ID_ENV, "")
-        store = coordination_store(where, run_id, attempt(), timeout_s)
+        store = coordination_store(where, run_id, worker_group(), timeout_s)
         skip = {int(where.rpartition(":")[2]), int(os.environ.get("MASTER_PORT", "0") or 0)}
         regroup = cls(store, rank, world, int(os.environ.get(GENERATION_ENV, "0")), timeout_s, skip)
-        watch_store = coordination_store(where, run_id, attempt(), timeout_s)  # a connection of the thread's own
+        watch_store = coordination_store(where, run_id, worker_group(), timeout_s)  # a connection of the thread's own
         threading.Thread(target=regroup._watch, args=(watch_store,), name="regroup-watch", daemon=True).start()
         return regroup
 

@@ -27,6 +27,7 @@ HEARTBEAT_DIR_ENV = "REKINDLE_HEARTBEAT_DIR"  # where each rank rewrites its hea
 LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"  # ranks die with this process (PR_SET_PDEATHSIG)
 COORD_STORE_ENV = "REKINDLE_COORD_STORE"  # host:port of the launcher's store (in-process recovery: trainer.recover)
 GENERATION_ENV = "REKINDLE_GENERATION"  # a replacement rank joins this generation of the groups (absent: 0)
+ROUND_ENV = "REKINDLE_ROUND"  # the worker group's rendezvous round: the same on every node (the restart count is not)
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchelastic's: the worker group's attempt number
 FAIL_AT_ENV = "REKINDLE_FAIL_AT"  # "step[:rank]": raise at that step (every attempt): a deterministic crash
 HANG_AT_ENV = "REKINDLE_HANG_AT"  # "step[:rank]": spin forever at that step (first attempt only)
@@ -48,8 +49,15 @@ EVENTS_FILE = "events.jsonl"
 
 
 def attempt() -> int:
-    """The worker group's attempt number (0 without torchelastic)."""
+    """The worker group's attempt number on this node (0 without torchelastic)."""
     return int(os.environ.get(RESTART_COUNT_ENV, 0))
+
+
+def worker_group() -> str:
+    """The worker group's name on the ranks' coordination store, the same on every node: its rendezvous
+    round (the launcher's `ROUND_ENV`). A node's restart count is not: a membership change does not count
+    one, and nodes that restarted for different reasons differ."""
+    return os.environ.get(ROUND_ENV) or f"a{attempt()}"
 
 
 def injection_target(spec: str) -> tuple[int, int | None] | None:
@@ -85,7 +93,7 @@ class Heartbeat:
         self._written = 0.0  # the record's `t` when it was last written
         self._size = HEARTBEAT_BYTES  # the file's length (records are padded to it with spaces)
         self.record: dict[str, Any] = {
-            "pid": os.getpid(), "rank": rank, "attempt": attempt(),
+            "pid": os.getpid(), "rank": rank, "attempt": attempt(), "group": worker_group(),
             "generation": int(os.environ.get(GENERATION_ENV, 0)),  # of the groups (in-process recovery)
             "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
             "t_loaded": 0.0, "t_first": 0.0, "resumed_step": 0, "busy_s": 0.0, "steps_run": 0,
