@@ -1,6 +1,7 @@
 """torchrun's elastic agent (`LocalElasticAgent`) with the supervisor's hooks. The only module that
 touches torchelastic's internals (its private methods, `_pcontext`, `_worker_group`,
-`_remaining_restarts`): when a torch release moves them, this file is what to fix.
+`_remaining_restarts`, the rendezvous handler's `_state_holder`): when a torch release moves them, this
+file is what to fix.
 
 What it changes in torchrun's behaviour:
 - a failed group's survivors are SIGKILLed at once instead of SIGTERMed with a 30s wait (they sit in
@@ -331,7 +332,8 @@ class SupervisedAgent(LocalElasticAgent):
 
 def round_of(handler, group) -> tuple[str, frozenset]:
     """(name, nodes) of the rendezvous round just met, from torch's private rendezvous state; when torch
-    moved it, the group's store address (the same every round its rank-0 node keeps) and no nodes."""
+    moved it, the group's store address (a fresh port each round: the launcher turns torch's sharing of
+    the rendezvous store off) and no nodes."""
     try:
         state = handler._state_holder.state
         return f"r{state.round}", frozenset(state.participants)

@@ -148,6 +148,7 @@ def rebuild_smaller(run: Run, regroup: Regroup, generation: int, world: SmallerW
     os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.world))  # as a start in this world would see
     info = replace(old, rank=world.rank, world=world.world)
     logs.setup(rank=info.rank, verbose=info.is_main)
+    run.heartbeat.renumber(world.rank)  # the launcher knows this rank by its new number too (agent.renumber)
     return build(run.cfg, info, run.heartbeat, run.preemption, run.stalls, regroup)
 
 

@@ -180,7 +180,7 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir,
     memory = {node: tmp_path / f"shm-{node}" for node in "ab"}
 
     def node(name: str) -> subprocess.Popen:
-        return launch(tmp_path, ["train.steps=60", "checkpoint.every=100", "checkpoint.memory_every=1",
+        return launch(tmp_path, ["train.steps=100", "checkpoint.every=200", "checkpoint.memory_every=1",
                                  f"checkpoint.memory_dir={memory[name]}"], nproc=1, extra_args=args)
 
     procs = [node("a")]
@@ -192,6 +192,14 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir,
     kill_tree(guest.pid)  # the launcher, its fork server and its rank: none writes into its memory after
     guest.wait(timeout=30)
     shutil.rmtree(memory["ab"[1 - h]])
+    # The survivor's heartbeat goes under its new number, as the launcher now knows it (it may have been 1).
+    deadline, beats = time.time() + 60, {}
+    while not any(e["event"] == "resume" for e in read_events(tmp_path)):
+        assert time.time() < deadline and host.poll() is None, read_events(tmp_path)[-3:]
+        time.sleep(0.05)
+    (directory,) = tmp_path.glob(f"heartbeats-*{host.pid}-*")
+    beats = read_heartbeats(directory)
+    assert list(beats) == [0] and beats[0]["generation"] == 1, beats
     out = finish(host)
     assert host.returncode == 0, out[-4000:]
     assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
@@ -203,7 +211,7 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir,
     assert out.count("worker(s) started") == 1 and "going on without them" in out  # the rank kept its process
     failure = next(e for e in read_events(tmp_path) if e["event"] == "failure")
     assert (failure["cause"], failure["path"]) == ("node", "in-process") and failure["rank"] in (0, 1), failure
-    assert read_metrics(tmp_path)[60]["step"] == 60
+    assert read_metrics(tmp_path)[100]["step"] == 100
 
 
 def test_the_job_moves_down_the_endpoint_list_when_the_rendezvous_host_is_lost(cache_dir, tmp_path):

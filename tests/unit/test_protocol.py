@@ -43,3 +43,23 @@ def test_sigusr1_prints_every_threads_stack_and_the_rank_goes_on():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "still running" in done.stdout, done.stderr[-2000:]
     assert "Current thread" in done.stderr and "waiting_here" in done.stderr, done.stderr[-2000:]
+
+
+def test_survivors_renumbered_in_a_smaller_world_each_keep_one_file_under_their_new_rank(tmp_path, monkeypatch):
+    """Ranks 2 and 3 go on as 0 and 1 (trainer.recover.rebuild_smaller), in either order, over a stale
+    `rank-1.json`: each ends with one file under its new number, neither writes into the other's, and the
+    old names are gone."""
+    monkeypatch.setenv(HEARTBEAT_DIR_ENV, str(tmp_path))
+    for order in ((2, 3), (3, 2)):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        beats = {rank: Heartbeat(rank=rank) for rank in (1, 2, 3)}  # rank 1: a lost node's, stale
+        beats[1].close("train")
+        for rank in order:
+            beats[rank].renumber(rank - 2)
+            beats[rank].beat("train", step=10 + rank)
+        found = read_heartbeats(tmp_path)
+        assert {r: b["step"] for r, b in found.items()} == {0: 12, 1: 13}, (order, found)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"], order
+        beats[2].beat("train", step=20)  # still writing where it should
+        assert read_heartbeats(tmp_path)[0]["step"] == 20 and read_heartbeats(tmp_path)[1]["step"] == 13

@@ -98,10 +98,30 @@ class Heartbeat:
             "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
             "t_loaded": 0.0, "t_first": 0.0, "resumed_step": 0, "busy_s": 0.0, "steps_run": 0,
         }
-        if directory:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(Path(directory) / f"rank-{rank}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._dir = Path(directory) if directory else None
+        if self._dir is not None:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self._dir / f"rank-{rank}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self._write()
+
+    def renumber(self, rank: int) -> None:
+        """This rank goes on as `rank` (a smaller world): its record moves to that rank's file, written whole
+        under a name of its own first and renamed into place, so that another survivor's file under either
+        name (its own, being renumbered too) is never written to. The old name goes if it is still ours."""
+        old, self.record["rank"] = self.record["rank"], rank
+        if self._fd is None or old == rank:
+            return
+        staged = self._dir / f".rank-{rank}.{os.getpid()}.tmp"
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        previous, self._fd, self._size = self._fd, fd, HEARTBEAT_BYTES
+        self._write()
+        os.rename(staged, self._dir / f"rank-{rank}.json")
+        try:
+            if os.stat(self._dir / f"rank-{old}.json").st_ino == os.fstat(previous).st_ino:
+                os.unlink(self._dir / f"rank-{old}.json")
+        except FileNotFoundError:
+            pass
+        os.close(previous)
 
     def beat(self, phase: str | None = None, step: int | None = None, **fields: Any) -> None:
         """Update the record and rewrite it; a beat that would change nothing but the time `t` (the same
