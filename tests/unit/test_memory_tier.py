@@ -41,6 +41,8 @@ def test_a_snapshot_restores_the_state_bit_for_bit(tmp_path):
     assert (state.step, state.tokens_seen, state.data) == (7, 70, {"samples": 56})
     assert torch.equal(torch.get_rng_state(), rng)
     assert_same(saved, fresh)
+    head = memory.scan()[(0, 7)][0].with_suffix(".json")
+    (head.parent / f"{head.name}.tmp-host-1234-abcd").write_text("{")  # a header write a SIGKILL cut short
     memory.close(remove=True)
     assert not any((tmp_path / "shm").iterdir())
 
