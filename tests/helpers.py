@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,16 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
+
+
+def wait_for(what: str, check, timeout: float, every: float = 0.1) -> float:
+    """Poll `check` every `every` seconds until it holds; the seconds it took (AssertionError naming `what`
+    after `timeout`)."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, f"no {what} within {timeout:.0f}s"
+        time.sleep(every)
+    return time.monotonic() - start
 
 
 # --- the trainer in separate processes ------------------------------------------------------------

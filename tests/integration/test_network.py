@@ -23,17 +23,10 @@ from pathlib import Path
 import pytest
 
 from tests import netns
-from tests.helpers import KNOWN_PEAK, REPO, SMOKE, child_env, read_metrics
+from tests.helpers import KNOWN_PEAK, REPO, SMOKE, child_env, read_metrics, wait_for
 from trainer.runtime.protocol import read_events
 
 pytestmark = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "ok")
-
-
-def wait_for(what: str, check, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not check():
-        assert time.time() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.1)
 
 
 def last_step(run_dir: Path) -> int:

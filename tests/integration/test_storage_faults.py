@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+from tests.helpers import wait_for
 from tests.integration.test_launch_faults import finish, launch
 from trainer.runtime.protocol import read_events, read_jsonl
 from trainer.testing import TcpProxy
@@ -16,16 +17,6 @@ from trainer.testing import TcpProxy
 GRACE = 4  # fault.preempt_grace_s: each SIGTERM below, with storage that does not answer, takes all of it
 BOUNDS = ["storage.timeout_s=2", "storage.stall_s=4", "fault.hang_timeout_s=60", f"fault.preempt_grace_s={GRACE}",
           "train.steps=40", "checkpoint.every=10", "fault.max_restarts=20"]
-
-
-def wait_for(what: str, check, timeout: float) -> float:
-    """Poll `check` until it holds; the seconds it took (AssertionError after `timeout`)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if check():
-            return time.monotonic() - start
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def sigterm_exit(proc, run_dir) -> int:

@@ -7,7 +7,6 @@ membership change)."""
 from __future__ import annotations
 
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -15,14 +14,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import rendezvous
 from launch.agent import nodes_that_left, round_of
+from tests.helpers import wait_for
 from trainer.runtime.protocol import COORD_STORE_ENV
-
-
-def wait_for(what: str, check, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while not check():
-        assert time.time() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.05)
 
 
 def test_a_node_of_the_round_meeting_again_is_a_failure_there_and_a_new_node_a_membership_change(monkeypatch):
@@ -43,11 +36,11 @@ def test_a_node_of_the_round_meeting_again_is_a_failure_there_and_a_new_node_a_m
             assert name_a == name_b == "r0" and len(nodes) == 2
 
             joining = pool.submit(c.next_rendezvous)  # a new node: it waits for the next round
-            wait_for("the new node in the wait list", lambda: a.num_nodes_waiting() == 1)
+            wait_for("new node in the wait list", lambda: a.num_nodes_waiting() == 1, 20, every=0.05)
             assert nodes_that_left(a, nodes) == []  # a membership change: the ranks are drained
 
             again = pool.submit(b.next_rendezvous)  # b's launcher restarted the group: its ranks are gone
-            wait_for("b in the wait list", lambda: a.num_nodes_waiting() == 2)
+            wait_for("b in the wait list", lambda: a.num_nodes_waiting() == 2, 20, every=0.05)
             (b_node,) = nodes - {a._this_node}
             assert nodes_that_left(a, nodes) == [f"{b_node.addr}:{b_node.pid}"]
 
