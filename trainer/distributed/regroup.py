@@ -76,10 +76,10 @@ def publish_smaller_world(store: dist.Store, generation: int, survivors: list[in
     return ranks
 
 
-def announce_failure(store: dist.Store, generation: int) -> None:
-    """The launcher's side: a rank died and `generation` starts; a rank that has not noticed leaves (its
-    watch thread, `Regroup._watch`)."""
-    store.set(FAILED_KEY.format(generation=generation), "launcher")
+def announce_failure(store: dist.Store, generation: int, by: str = "launcher") -> None:
+    """A rank died and `generation` starts (said `by` the launcher, or by a rank that noticed): a rank that has
+    not noticed leaves (its watch thread, `Regroup._watch`)."""
+    store.set(FAILED_KEY.format(generation=generation), by)
 
 
 def arrived_ranks(store: dist.Store, generation: int, world: int) -> list[int]:
@@ -128,11 +128,11 @@ class Regroup:
         where = os.environ.get(COORD_STORE_ENV, "")
         if not where or world < 2:
             return None
-        run_id = os.environ.get(RUN_ID_ENV, "")
-        store = coordination_store(where, run_id, worker_group(), timeout_s)
+        run_id, group = os.environ.get(RUN_ID_ENV, ""), worker_group()
+        store = coordination_store(where, run_id, group, timeout_s)
         skip = {int(where.rpartition(":")[2]), int(os.environ.get("MASTER_PORT", "0") or 0)}
         regroup = cls(store, rank, world, int(os.environ.get(GENERATION_ENV, "0")), timeout_s, skip)
-        watch_store = coordination_store(where, run_id, worker_group(), timeout_s)  # a connection of the thread's own
+        watch_store = coordination_store(where, run_id, group, timeout_s)  # a connection of the thread's own
         threading.Thread(target=regroup._watch, args=(watch_store,), name="regroup-watch", daemon=True).start()
         return regroup
 
@@ -142,7 +142,7 @@ class Regroup:
         watch thread of each), and stop this rank's own watch thread from leaving on its behalf."""
         with self._lock:
             self._recovering = True
-        self.store.set(FAILED_KEY.format(generation=generation), str(self.rank))
+        announce_failure(self.store, generation, by=str(self.rank))
 
     def _watch(self, store: dist.Store) -> None:
         """The watch thread: another rank noticed a failure and this rank, NOTICE_GRACE_S later, has not
