@@ -27,12 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
 
 
-def wait_for(what: str, check, timeout: float, every: float = 0.1) -> float:
+def wait_for(what: str, check, timeout: float, every: float = 0.1, explain=None) -> float:
     """Poll `check` every `every` seconds until it holds; the seconds it took (AssertionError naming `what`
-    after `timeout`)."""
+    after `timeout`, followed by what `explain()` returns, when given: logs, events)."""
     start = time.monotonic()
     while not check():
-        assert time.monotonic() - start < timeout, f"no {what} within {timeout:.0f}s"
+        if time.monotonic() - start >= timeout:
+            raise AssertionError(f"no {what} within {timeout:.0f}s" + (f"\n{explain()}" if explain else ""))
         time.sleep(every)
     return time.monotonic() - start
 

@@ -27,22 +27,29 @@ def test_bad_input_is_one_line_exit_2_and_never_restarted(cache_dir, tmp_path):
         f"data.path={corrupt}": "manifest.json",
         f"data.path={truncated}": "bytes, the manifest says",
     }
-    for n, (override, why) in enumerate(cases.items()):
-        run_dir = tmp_path / f"run{n}"
-        proc = launch(run_dir, [override, "train.steps=4"], nproc=1)
-        out = finish(proc, timeout=120)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export = subprocess.Popen([sys.executable, "-m", "trainer.export", str(empty), str(tmp_path / "out.safetensors")],
+                              cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # All at once (separate run directories): each must stop by itself.
+    procs = {n: launch(tmp_path / f"run{n}", [override, "train.steps=4"], nproc=1) for n, override in enumerate(cases)}
+    try:
+        outs = {n: finish(proc, timeout=120) for n, proc in procs.items()}
+        _, stderr = export.communicate(timeout=120)
+    finally:
+        for proc in [*procs.values(), export]:
+            if proc.poll() is None:
+                proc.kill()
+    for n, why in enumerate(cases.values()):
+        proc, out = procs[n], outs[n]
         assert proc.returncode == 2, out[-3000:]
         assert "Traceback" not in out and out.count("worker(s) started") == 1, out[-3000:]
         errors = [line for line in out.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and why in errors[0], errors
-        events = read_events(run_dir)
+        events = read_events(tmp_path / f"run{n}")
         assert not [e for e in events if e["event"] == "restart"] and events[-1]["exit_code"] == 2
         assert "restarting cannot fix it" in events[-1]["outcome"] or events[-1]["outcome"].startswith("rank 0")
 
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    export = subprocess.run([sys.executable, "-m", "trainer.export", str(empty), str(tmp_path / "out.safetensors")],
-                            cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert export.returncode == 2 and "Traceback" not in export.stderr
-    assert [line for line in export.stderr.splitlines() if line.startswith("error:")] == [
+    assert export.returncode == 2 and "Traceback" not in stderr
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
         f"error: no committed checkpoint in {empty}"]

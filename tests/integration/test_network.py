@@ -51,13 +51,19 @@ def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_
             if i == 0:
                 time.sleep(1.0)  # node 0 hosts the rendezvous store
         events = lambda: read_events(run_dir)  # noqa: E731
-        wait_for("3-node training", lambda: last_step(run_dir) >= 10, 120)
+
+        def explain() -> str:  # each node's log and the ledger's last records
+            tails = [f"--- node {i} (pid {p.pid}, exit {p.poll()})\n{log.read_text()[-2500:]}"
+                     for i, (p, log) in enumerate(zip(procs, logs))]
+            return "\n".join([*tails, "--- events", *map(str, events()[-25:])])
+
+        wait_for("3-node training", lambda: last_step(run_dir) >= 10, 120, explain=explain)
         nodes = [f"{socket.gethostname()}:{p.pid}" for p in procs]  # the ledger's names (ip netns exec execs)
 
         # 1. A slow link: slower, and no verdict.
         net.slow(1, "20mbit")
         slowed, since = last_step(run_dir), time.time()
-        wait_for("a step on the slow link", lambda: last_step(run_dir) > slowed, 60)  # (records come in batches)
+        wait_for("a step on the slow link", lambda: last_step(run_dir) > slowed, 60, explain=explain)  # (records come in batches)
         time.sleep(max(0.0, 6.0 - (time.time() - since)))
         net.unslow(1)
         assert not [e for e in events() if e["event"] in ("failure", "straggler", "partition")], events()[-5:]
@@ -66,7 +72,7 @@ def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_
         net.cut(2)
         cut = time.time()
         wait_for("a resume without node 2", lambda: sum(e["event"] == "resume" and e["time"] > cut
-                                                       for e in events()) >= 2, 60)
+                                                       for e in events()) >= 2, 60, explain=explain)
         failures = [e for e in events() if e["event"] == "failure" and e["time"] > cut]
         # Each survivor's own verdict names node 2; one that the other's restart reached first says so instead
         # (a failure, restarted at once: not a node joining, whose drain waits for an emergency checkpoint).

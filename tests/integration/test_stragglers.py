@@ -1,7 +1,8 @@
 """Straggler detection on real ranks (2 gloo processes under torchrun): a rank made slower by the fault
 hook (REKINDLE_SLOW_RANK sleeps in its forward/backward) is reported once in the log and the ledger
 when it becomes a straggler and once when it recovers, with its per-rank score in every metrics.jsonl
-record and on the run plot; an undisturbed run reports none. Every run is bounded."""
+record and on the run plot; the undisturbed steps before and after it, and the other rank throughout,
+report none. Every run is bounded."""
 
 from __future__ import annotations
 
@@ -44,23 +45,10 @@ def test_a_slowed_rank_is_reported_once_as_a_straggler_and_once_recovered(cache_
     metrics = read_metrics(run_dir)
     assert all(len(r["straggler_score"]) == len(r["rank_work_s"]) == 2 for r in metrics.values())
     assert all(metrics[s]["straggler_score"][1] >= 1.5 > metrics[s]["straggler_score"][0] for s in range(4, 17, 2))
-    assert [s for s, r in sorted(metrics.items()) if r["stragglers"] == [1]] == list(range(slow, recovered, 2))
+    assert sorted(metrics) == list(range(2, 41, 2))
+    assert all(r["stragglers"] == ([1] if slow <= s < recovered else []) for s, r in metrics.items()), metrics
 
     out = tmp_path / "plot.png"
     plotted = subprocess.run([sys.executable, "-m", "trainer.plot", str(run_dir), "-o", str(out)], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0 and out.stat().st_size > 10_000, plotted.stderr[-2000:]
-
-
-def test_an_undisturbed_run_reports_no_straggler(cache_dir, tmp_path):
-    # Two tries: on a machine busy with other tests, a rank's own work was once 1.5x the other's for a period.
-    for attempt in range(2):
-        run_dir = tmp_path / f"try-{attempt}"
-        train_two_ranks(run_dir, {})
-        events = [e for e in read_events(run_dir) if e["event"] == "straggler"]
-        if not events:
-            break
-    assert not events, events
-    metrics = read_metrics(run_dir)
-    assert sorted(metrics) == list(range(2, 41, 2))
-    assert all(r["stragglers"] == [] and len(r["straggler_score"]) == 2 for r in metrics.values())
