@@ -18,10 +18,13 @@ import pytest
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
-# Test files that compile a model (long, and last in the default order): run first, so that the workers
-# end together on short files instead of one waiting for the other (pytest-xdist hands out whole files in
-# the order collected).
-COMPILE_FIRST = ("test_perf.py", "test_loss.py", "test_model.py")
+# The longest test files first (about 20 s and more on a 2-core machine, longest first; the files that
+# compile a model lead, being last in the default order): pytest-xdist hands out whole files in the order
+# collected, so that the workers then end together on short files instead of one waiting for the other.
+LONGEST_FIRST = ("test_perf.py", "test_loss.py", "test_model.py", "test_launch_faults.py", "test_memory_tier.py",
+                 "test_checkpoint_faults.py", "test_slurm.py", "test_warm_restarts.py", "test_train.py",
+                 "test_in_process.py", "test_storage_faults.py", "test_data_resume.py", "test_network.py",
+                 "test_data_trainer.py", "test_perf_runs.py", "test_export_runs.py", "test_wandb_run.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -29,7 +32,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if INTEGRATION in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: Path(item.path).name not in COMPILE_FIRST)  # stable: the order is kept otherwise
+    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.path).name, len(rank)))  # stable: the order is kept otherwise
 
 
 @pytest.fixture(autouse=True)
