@@ -54,7 +54,7 @@ def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_
 
         def explain() -> str:  # each node's log and the ledger's last records
             tails = [f"--- node {i} (pid {p.pid}, exit {p.poll()})\n{log.read_text()[-2500:]}"
-                     for i, (p, log) in enumerate(zip(procs, logs))]
+                     for i, (p, log) in enumerate(zip(procs, logs, strict=True))]
             return "\n".join([*tails, "--- events", *map(str, events()[-25:])])
 
         wait_for("3-node training", lambda: last_step(run_dir) >= 10, 120, explain=explain)
@@ -63,7 +63,8 @@ def test_a_slow_link_a_partition_and_the_rendezvous_host_removed(cache_dir, tmp_
         # 1. A slow link: slower, and no verdict.
         net.slow(1, "20mbit")
         slowed, since = last_step(run_dir), time.time()
-        wait_for("a step on the slow link", lambda: last_step(run_dir) > slowed, 60, explain=explain)  # (records come in batches)
+        # (metrics records come in batches)
+        wait_for("a step on the slow link", lambda: last_step(run_dir) > slowed, 60, explain=explain)
         time.sleep(max(0.0, 6.0 - (time.time() - since)))
         net.unslow(1)
         assert not [e for e in events() if e["event"] in ("failure", "straggler", "partition")], events()[-5:]
