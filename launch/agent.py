@@ -205,7 +205,8 @@ class SupervisedAgent(LocalElasticAgent):
         self._exit_barrier_timeout = 0
 
     def leave_rendezvous(self) -> None:
-        """Close the rendezvous for good (a preempted node leaves it open for its replacement instead)."""
+        """Close the rendezvous for good (a preempted node leaves it open for its replacement instead, and a
+        node outvoted in a partition for the majority)."""
         self.spec.rdzv_handler.shutdown()
 
     # ------------------------------------------------------------------ torchelastic's methods, overridden

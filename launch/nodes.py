@@ -38,6 +38,7 @@ class Meeting:
     liveness: Liveness | None = None
     _endpoint = ""  # the rendezvous endpoint in use (--rdzv-endpoint may list several)
     _spare_since: float | None = None  # when this node was first seen waiting as a spare
+    _outvoted = False  # this node stopped as the minority of a partition: it leaves the rendezvous open
 
     def _note_spare(self) -> None:
         """On the main thread, between groups: say once that this node waits as a spare."""
@@ -139,6 +140,7 @@ class Meeting:
             reason = (f"this node is cut off: only {live} of the group's {size} node(s) answer (not a majority; "
                       f"silent: {', '.join(silent)}): stopping without committing, launch again to resume")
             self._decision = Decision(False, exit_code=EXIT_PREEMPTED, reason=reason)
+            self._outvoted = True  # the majority goes on (closing it would end the job on every node)
             self.agent.stop_restarts()
             log.info(reason)
             return True

@@ -322,8 +322,10 @@ class Supervisor(Meeting):
             if agent is self.agent and self._error is None:
                 self._error = e
         finally:
-            # A preempted node leaves the rendezvous open for its replacement; a lost store has none to close.
-            if self.preempt_at is None and agent is self.agent and not (error and rendezvous.store_lost(error)):
+            # A preempted node leaves the rendezvous open for its replacement, an outvoted one for the majority;
+            # a lost store has none to close.
+            if (self.preempt_at is None and agent is self.agent and not self._outvoted
+                    and not (error and rendezvous.store_lost(error))):
                 agent.leave_rendezvous()
 
     def _wait_for(self, thread: threading.Thread) -> None:
