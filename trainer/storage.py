@@ -198,6 +198,16 @@ def temp_name(path: str) -> str:
     return f"{path}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def leftover_temps(path: str) -> list[str]:
+    """The `temp_name` files beside local `path` that writers killed mid-write left behind (none when its
+    directory is gone)."""
+    folder, name = os.path.split(path)
+    try:
+        return [os.path.join(folder, n) for n in os.listdir(folder or ".") if n.startswith(f"{name}.tmp-")]
+    except FileNotFoundError:
+        return []
+
+
 @contextlib.contextmanager
 def atomic_file(path: str, *, durable: bool = False, exclusive: bool = False) -> Iterator[BinaryIO]:
     """A new local file, written in the block, that appears at `path` whole when the block ends, or not

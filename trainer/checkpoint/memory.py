@@ -49,7 +49,6 @@ in another world memory_reshard.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import shutil
@@ -324,9 +323,8 @@ class MemoryTier:
             for slot in range(SLOTS):
                 for path in (*self._paths(slot), *self._paths(slot, self.source, peer=True)):
                     path.unlink(missing_ok=True)
-                    with contextlib.suppress(FileNotFoundError):  # (the last rank out removed the directory)
-                        for torn in path.parent.glob(f"{path.name}.tmp-*"):  # a header write a kill cut short
-                            torn.unlink(missing_ok=True)
+                    for torn in storage.leftover_temps(str(path)):  # a header write a kill cut short
+                        Path(torn).unlink(missing_ok=True)
             for parts in self.elsewhere.values():  # an earlier world's parts (this world resumed from them)
                 for binary, _ in parts.values():
                     binary.unlink(missing_ok=True)
