@@ -75,10 +75,11 @@ class InProcessRecovery:
     pending: Pending | None = None
     hang: Failure | None = None  # a hung rank this launcher killed, to be replaced as its failure
     hang_killed_at: float = 0.0
+    silent_since: float | None = None  # the launcher told the ranks of nodes silent since then (launch.nodes)
 
     def reset(self) -> None:
         """A full restart: the new group starts at generation 0."""
-        self.generation, self.pending, self.hang = 0, None, None
+        self.generation, self.pending, self.hang, self.silent_since = 0, None, None, None
 
     def offer(self, exits: dict, beats: dict[int, dict], failure: Failure,
               running: dict[int, int]) -> tuple[dict[str, str] | None, str]:
@@ -133,19 +134,22 @@ class InProcessRecovery:
         return {GENERATION_ENV: str(p.generation)}
 
     def lost_node(self, beats: dict[int, dict], local: list[int], now: float) -> tuple[int, float] | None:
-        """(generation, when the first rank noticed) once every rank of this node (`local`: their global
-        ranks) has been recovering for NODE_LOST_S with no failure of this node's under way; else None."""
+        """(generation, when the first rank noticed, or when the lost nodes were last heard if the launcher
+        told the ranks) once every rank of this node (`local`: their global ranks) has been recovering for
+        NODE_LOST_S with no failure of this node's under way; else None."""
         if not self.smaller or self.pending is not None or not local:
             return None
         waiting = [beats.get(rank, {}) for rank in local]
         if not all(b.get("phase") == "recover" and b.get("recovering") for b in waiting):
             return None
         noticed = min(b.get("t_error") or now for b in waiting)
-        return (max(b["recovering"] for b in waiting), noticed) if now - noticed >= NODE_LOST_S else None
+        if now - noticed < NODE_LOST_S:
+            return None
+        return max(b["recovering"] for b in waiting), min(noticed, self.silent_since or noticed)
 
     def go_smaller(self, generation: int, noticed: float, kept: dict[int, int], lost: list[int]) -> Pending:
         """The survivors here go on without the lost ranks in `generation`: the recovery under way."""
-        self.generation = generation
+        self.generation, self.silent_since = generation, None
         self.pending = Pending(generation, noticed, [], kept, "node", frozenset(), lost)
         return self.pending
 

@@ -68,6 +68,14 @@ class Liveness:
             return sorted(node for node in self._members.values() if node != self.node and node in self._heard
                           and now - self._heard[node][1] >= self.lost_s)
 
+    def last_heard(self, nodes: list[str]) -> float:
+        """When (wall clock) the newest of `nodes`' counters last moved, as this launcher heard it: the
+        earliest their loss can have been noticed (now, when none was ever heard)."""
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            heard = [self._heard[node][1] for node in nodes if node in self._heard]
+        return wall - (now - max(heard)) if heard else wall
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         host, _, port = self.where.rpartition(":")

@@ -4,10 +4,14 @@ its group still hear each other (`launch.liveness`), which turns a partition int
 
 - this node cannot reach the store for `liveness.LOST_S`: its ranks are stopped, and it moves down the
   list (a new store must answer within `MOVE_WAIT_S`) or, the list spent, exits 75;
-- the store answers but nodes of the group went silent: with a strict majority of the group still
-  answering, the group restarts without them at once (their ranks would otherwise hold the collectives
-  until the collective timeout); without one this node stops (exit 75), so that two sides of a partition
-  never both train and commit."""
+- the store answers but nodes of the group went silent (lost without a word, as a node that loses its
+  power or its link: no connection is closed, so the ranks here sit in collectives with theirs until the
+  collective timeout): with a strict majority of the group still answering, or exactly half of it at the
+  last endpoint of the list (the silent half cannot move on to host a rival group: cut off, it exits 75),
+  this side goes on at once. Left alone under MIN:MAX, its ranks are told to leave the collective and go
+  on in process in a smaller world (launch.inprocess); otherwise, or when they do not within `TOLD_S`, the
+  group restarts without the silent nodes. Without such a majority this node stops (exit 75), so that two sides of a
+  partition never both train and commit."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from launch import rendezvous
 from launch.agent import SupervisedAgent
 from launch.failures import Failure
+from launch.inprocess import tell_the_ranks
 from launch.liveness import Liveness
 from launch.policy import Decision
 from trainer.contract import COORD_STORE_ENV, EXIT_PREEMPTED
@@ -29,16 +34,21 @@ from trainer.contract import COORD_STORE_ENV, EXIT_PREEMPTED
 log = logging.getLogger(__name__)
 
 MOVE_WAIT_S = 10.0  # how long a launcher moving down the list waits for the next endpoint's store to listen
+# Ranks told that nodes went silent leave their collective within a few tenths of a second and go on in a
+# smaller world a second later (launch.inprocess.NODE_LOST_S); not done by then: the group restarts.
+TOLD_S = 5.0
 
 
 class Meeting:
-    """Mixed into the Supervisor (it provides opts, cfg, policy, zygote, inproc, ledger, agent, _run_agent,
-    _wait_for, _on_failure, _last_step, and the fields set here)."""
+    """Mixed into the Supervisor (it provides opts, cfg, policy, zygote, inproc, ledger, agent, watchdog,
+    attempt, _run_agent, _wait_for, _on_failure, _last_step, and the fields set here)."""
 
     liveness: Liveness | None = None
     _endpoint = ""  # the rendezvous endpoint in use (--rdzv-endpoint may list several)
     _spare_since: float | None = None  # when this node was first seen waiting as a spare
     _outvoted = False  # this node stopped as the minority of a partition: it leaves the rendezvous open
+    _last_endpoint = True  # the endpoint in use is the last of the list: nobody can move on from it
+    _told: float | None = None  # when the ranks here were told that nodes went silent (to go on in process)
 
     def _note_spare(self) -> None:
         """On the main thread, between groups: say once that this node waits as a spare."""
@@ -61,6 +71,7 @@ class Meeting:
         o = self.opts
         endpoint = rendezvous.endpoints(o.rdzv_endpoint)[at] if o.rdzv_endpoint else ""
         self._endpoint = endpoint or "127.0.0.1"
+        self._last_endpoint = at + 1 >= len(rendezvous.endpoints(o.rdzv_endpoint) if o.rdzv_endpoint else [""])
         try:
             if at:
                 _wait_for_store(endpoint, MOVE_WAIT_S)
@@ -128,15 +139,20 @@ class Meeting:
 
     def _silent_nodes(self) -> bool:
         """In review: nodes of the group went silent. True restarts the group without them (or, without a
-        strict majority answering, ends this node: exit 75)."""
+        majority answering, ends this node: exit 75); False when nothing is to be done, or the ranks here
+        were told to go on without them in process (launch.inprocess's lost node takes it from there)."""
         silent = self.liveness.silent() if self.liveness is not None else []
         group = self.agent.group() if silent else None
         if group is None:
+            self._told = None
+            return False
+        if self._told is not None and time.monotonic() - self._told < TOLD_S:
             return False
         size = group[2]
         live = size - len(silent)
-        self.ledger.event("partition", silent=silent, live=live, group_size=size)
-        if live * 2 <= size:
+        if self._told is None:
+            self.ledger.event("partition", silent=silent, live=live, group_size=size)
+        if live * 2 < size or (live * 2 == size and not self._last_endpoint):
             reason = (f"this node is cut off: only {live} of the group's {size} node(s) answer (not a majority; "
                       f"silent: {', '.join(silent)}): stopping without committing, launch again to resume")
             self._decision = Decision(False, exit_code=EXIT_PREEMPTED, reason=reason)
@@ -144,9 +160,27 @@ class Meeting:
             self.agent.stop_restarts()
             log.info(reason)
             return True
+        if self._told is None and live == 1 and self._tell_the_ranks(silent):
+            return False
+        why = " (the ranks here did not leave their collectives when told)" if self._told is not None else ""
         self._on_failure(Failure(0, "node", self._last_step() + 1, key="node silent",
                                  message=f"the launcher(s) of {', '.join(silent)} stopped answering for "
-                                         f"{self.liveness.lost_s:.0f}s: cut off or lost"), "")
+                                         f"{self.liveness.lost_s:.0f}s: cut off or lost{why}"), "")
+        return True
+
+    def _tell_the_ranks(self, silent: list[str]) -> bool:
+        """This node alone answers: under MIN:MAX down to one node, with no recovery under way, tell the ranks
+        here that their generation failed (they leave the collectives they wait in with the silent nodes'
+        ranks, and wait for ranks nobody replaces: a lost node, launch.inprocess). True when told."""
+        if not self.inproc.smaller or self.opts.min_nodes > 1 or self.inproc.pending is not None \
+                or not os.environ.get(COORD_STORE_ENV):
+            return False
+        beats = self.watchdog.beats(self.attempt)
+        generation = max([self.inproc.generation, *(b.get("generation", 0) for b in beats.values())]) + 1
+        log.info(f"the launcher(s) of {', '.join(silent)} stopped answering for {self.liveness.lost_s:.0f}s (lost, or "
+                 f"cut off): telling the ranks here to leave generation {generation - 1} and go on without them")
+        tell_the_ranks(os.environ[COORD_STORE_ENV], self.agent.run_id(), self.agent.round(), generation)
+        self._told, self.inproc.silent_since = time.monotonic(), self.liveness.last_heard(silent)
         return True
 
 

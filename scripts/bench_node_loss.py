@@ -1,6 +1,6 @@
-"""A lost node, four ways, side by side in one run: lost node -> first resumed step on the node left.
+"""A lost node, five ways, side by side in one run: lost node -> first resumed step on the node left.
 
-    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,host]
+    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,host,silent]
                                       [--config configs/smoke.yaml] [key=value ...]
 
 Each loss is a fresh job of two launchers on loopback (`--nnodes 1:2`, one rank each, each node with its
@@ -14,7 +14,10 @@ modes:
   waiting warm); after the survivor goes on alone, the spare joins at the next rendezvous and the world is
   whole again: also timed, lost node -> first step of the whole world;
 - `host`: the lost node is the one hosting the rendezvous store (the other one otherwise), with
-  `--rdzv-endpoint A,B`: the survivor moves to B and its group restarts there.
+  `--rdzv-endpoint A,B`: the survivor moves to B and its group restarts there;
+- `silent`: as inproc, but the node is SIGSTOPped instead (lost without a word, as a node whose power or
+  link is gone: its connections stay open, so no collective of the survivor fails); the survivor's
+  launcher finds it silent after launch.liveness.LOST_S and tells its rank to go on without it.
 Each restores the 2-rank memory snapshot resharded (memory-reshard). The modes alternate.
 
 Prints, per loss, the ledger's recovery (the survivor noticing -> its first step) and its split, the tier
@@ -34,18 +37,19 @@ import time
 from pathlib import Path
 
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import free_port, kill_tree, rendezvous_host
+from trainer.testing import free_port, freeze_tree, kill_tree, rendezvous_host
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"],
-         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"]}
+         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"], "silent": ["fault.in_process=true"]}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/smoke.yaml")
     p.add_argument("--losses", type=int, default=3, help="lost nodes per mode (a fresh job each)")
-    p.add_argument("--modes", default="inproc,restart,spare,host", help="which modes: inproc, restart, spare, host")
+    p.add_argument("--modes", default="inproc,restart,spare,host,silent",
+                   help="which modes: inproc, restart, spare, host, silent")
     p.add_argument("--timeout", type=float, default=180, help="the most any one wait may take (s)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = p.parse_args()
@@ -108,7 +112,7 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
         host = "ab"[rendezvous_host(run_dir, [procs["a"], procs["b"]])]  # the first to bind, not always a
         lost = host if mode == "host" else "ab".replace(host, "")
         killed = time.time()
-        kill_tree(procs[lost].pid)
+        (freeze_tree if mode == "silent" else kill_tree)(procs[lost].pid)
         shutil.rmtree(out / f"{label}-shm-{lost}", ignore_errors=True)
         wait_until("a resume", lambda: resumes_after(run_dir, killed), args.timeout)
         row = {**resumes_after(run_dir, killed)[0], "mode": mode, "kill_to_step_s": first_step_after(run_dir, killed)}

@@ -56,6 +56,21 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
             time.sleep(0.01)
 
 
+def freeze_tree(pid: int) -> list[int]:
+    """SIGSTOP `pid`, its process group and every process below it: a node lost without a word (its power
+    or its link gone), whose connections stay open and silent, unlike a crash's. Returns the pids stopped;
+    `kill_tree` ends them."""
+    import signal
+
+    victims = [pid, *descendants(pid)]
+    for send, target in [(os.killpg, pid)] + [(os.kill, p) for p in victims]:
+        try:
+            send(target, signal.SIGSTOP)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return victims
+
+
 def _hosted(run_dir) -> list[dict]:
     """The ledger's `rendezvous` events of launchers that hosted the store, oldest first."""
     from trainer.runtime.protocol import read_events

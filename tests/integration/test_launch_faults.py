@@ -25,7 +25,7 @@ import torch
 from tests.helpers import KNOWN_PEAK, REPO, SMOKE, SOLO, child_env, free_port, read_metrics, smoke_model
 from trainer.checkpoint import Checkpointer
 from trainer.runtime.protocol import read_events, read_heartbeats
-from trainer.testing import kill_tree, rendezvous_host
+from trainer.testing import freeze_tree, kill_tree, rendezvous_host
 
 FAST = ["log.progress=false", "train.log_every=1", "train.eval_every=0", "fault.heartbeat_s=0.2",
         "fault.restart_backoff_s=0.2", KNOWN_PEAK]
@@ -188,11 +188,14 @@ def test_a_second_job_on_the_same_run_dir_is_refused(cache_dir, tmp_path):
     assert third.returncode == 0, out[-3000:]
 
 
-def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir, tmp_path):
-    """--nnodes 1:2, each node with its own memory directory: SIGKILL the second launcher (its rank dies
-    with it) and delete its memory (a lost node). The first node's rank keeps its process and goes on alone
-    (in process, world 1), with the same global batch, from the 2-rank memory snapshot resharded from its
-    own part and its peer copy of the lost one (a step or two back; no durable checkpoint but the last)."""
+def test_elastic_job_goes_on_with_fewer_nodes_when_a_node_is_lost_without_a_word(cache_dir, tmp_path):
+    """--nnodes 1:2, each node with its own memory directory: SIGSTOP the second node's launcher, fork server
+    and rank, and delete its memory (a node that lost its power: its connections stay open and nothing
+    fails in the collectives its peer waits in; a crash's SIGKILL, which closes them, is the Slurm test's
+    and bench_node_loss's). The first node's launcher finds it silent (launch.liveness): alone, but at the
+    only endpoint, it goes on; it tells its rank, which leaves its collective and goes on alone in process
+    (world 1), with the same global batch, from the 2-rank memory snapshot resharded from its own part and
+    its peer copy of the lost one (a step or two back; no durable checkpoint but the last)."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
     memory = {node: tmp_path / f"shm-{node}" for node in "ab"}
@@ -207,29 +210,39 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_launcher_is_lost(cache_dir,
     wait_for_one_group(tmp_path, procs, 15)
     h = rendezvous_host(tmp_path, procs)  # lose the other one: the job goes on at the same endpoint
     host, guest = procs[h], procs[1 - h]
-    kill_tree(guest.pid)  # the launcher, its fork server and its rank: none writes into its memory after
-    guest.wait(timeout=30)
-    shutil.rmtree(memory["ab"[1 - h]])
-    # The survivor's heartbeat goes under its new number, as the launcher now knows it (it may have been 1).
-    deadline, beats = time.time() + 60, {}
-    while not any(e["event"] == "resume" for e in read_events(tmp_path)):
-        assert time.time() < deadline and host.poll() is None, read_events(tmp_path)[-3:]
-        time.sleep(0.05)
-    (directory,) = tmp_path.glob(f"heartbeats-*{host.pid}-*")
-    beats = read_heartbeats(directory)
-    assert list(beats) == [0] and beats[0]["generation"] == 1, beats
-    out = finish(host)
+    try:
+        freeze_tree(guest.pid)  # the launcher, its fork server and its rank: none writes into its memory after
+        lost = time.time()
+        shutil.rmtree(memory["ab"[1 - h]])
+        # The survivor's heartbeat goes under its new number, as the launcher now knows it (it may have been 1).
+        deadline = time.time() + 60
+        while not any(e["event"] == "resume" for e in read_events(tmp_path)):
+            assert time.time() < deadline and host.poll() is None, read_events(tmp_path)[-3:]
+            time.sleep(0.05)
+        (directory,) = tmp_path.glob(f"heartbeats-*{host.pid}-*")
+        beats = read_heartbeats(directory)
+        assert list(beats) == [0] and beats[0]["generation"] == 1, beats
+        out = finish(host)
+    finally:
+        kill_tree(guest.pid)
     assert host.returncode == 0, out[-4000:]
     assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
-    resume = next(e for e in read_events(tmp_path) if e["event"] == "resume")
+    events = read_events(tmp_path)
+    silent = [e for e in events if e["event"] == "partition"]
+    assert [(e["silent"], e["live"], e["group_size"]) for e in silent] == [([f"{socket.gethostname()}:{guest.pid}"],
+                                                                             1, 2)], silent
+    assert 4 < silent[0]["time"] - lost < 15, (lost, silent)  # liveness.LOST_S (from its last count), not a timeout
+    resume = next(e for e in events if e["event"] == "resume")
     assert resume["tier"] == "memory-reshard" and resume["lost_steps"] <= 2 and resume["step"] >= 14, resume
-    assert (resume["path"], resume["replaced"]) == ("in-process", []) and resume["recovery_s"] < 15, resume
+    assert (resume["path"], resume["replaced"]) == ("in-process", []) and resume["time"] - lost < 20, resume
+    assert 4 < resume["recovery_s"] < 20, resume  # from the lost node's last sign of life: the silence counts
     assert "memory snapshot of 2 rank(s)" in out and "resharded to 1" in out, out[-3000:]
     assert re.search(r"going on in process as rank 0 of 1 \(was rank [01] of 2\)", out), out[-3000:]
-    joins = [e for e in read_events(tmp_path) if e["event"] == "restart"]  # a launcher late for the first round
+    assert "telling the ranks here to leave generation 0" in out, out[-3000:]
+    joins = [e for e in events if e["event"] == "restart"]  # a launcher late for the first round
     assert all(e["reason"] == "membership change" for e in joins), joins
     assert out.count("worker(s) started") == 1 + len(joins) and "going on without them" in out  # pid kept
-    failure = next(e for e in read_events(tmp_path) if e["event"] == "failure")
+    failure = next(e for e in events if e["event"] == "failure")
     assert (failure["cause"], failure["path"]) == ("node", "in-process") and failure["rank"] in (0, 1), failure
     assert read_metrics(tmp_path)[100]["step"] == 100
 
