@@ -10,8 +10,8 @@ its group still hear each other (`launch.liveness`), which turns a partition int
   last endpoint of the list (the silent half cannot move on to host a rival group: cut off, it exits 75),
   this side goes on at once. Left alone under MIN:MAX, its ranks are told to leave the collective and go
   on in process in a smaller world (launch.inprocess); otherwise, or when they do not within `TOLD_S`, the
-  group restarts without the silent nodes. Without such a majority this node stops (exit 75), so that two sides of a
-  partition never both train and commit."""
+  group restarts without the silent nodes. Without such a majority this node stops (exit 75), so that two
+  sides of a partition never both train and commit."""
 
 from __future__ import annotations
 
