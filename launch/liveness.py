@@ -115,9 +115,8 @@ class Liveness:
             nodes = [n for n in self._members.values() if n != self.node]
         if not nodes:
             return
-        now = time.monotonic()
         for node in nodes:
             key = KEY.format(node=node)
             counter = store.get(key).decode() if store.check([key]) else ""
             if counter and self._heard.get(node, ("", 0.0))[0] != counter:
-                self._heard[node] = (counter, now)
+                self._heard[node] = (counter, time.monotonic())  # as read: a slow pass must not age it
