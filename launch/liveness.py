@@ -6,8 +6,9 @@ launchers of its worker group. Two verdicts, each after `LOST_S` of silence:
   the node hosting the store is lost). Its ranks sit in collectives that never end; the launcher stops
   them and moves down the endpoint list or exits 75 (launch.supervisor).
 - `silent()`: the store answers, but the counter of another launcher of the group stopped (that node is
-  cut off or lost). The ranks here wait in collectives with its ranks, which (on a partition) fail only
-  at the collective timeout: the launcher restarts its group without that node at once.
+  cut off, or lost without a word). The ranks here wait in collectives with its ranks, which then fail
+  only at the collective timeout: the launcher goes on without that node at once, or stops, as
+  `goes_on` says (launch.nodes).
 
 Why the store: it is the one place every node reaches, and torch's own keep-alives are private to its
 rendezvous. A counter, not a timestamp: the nodes' clocks need not agree. The thread uses one
@@ -26,6 +27,14 @@ INTERVAL_S = 0.5  # how often each launcher counts up (and reads the others)
 LOST_S = 5.0  # silence after which a launcher, or the store, is lost
 KEY = "rekindle/alive/{node}"
 MEMBER_KEY = "rekindle/members/{group}/{rank}"  # group: the worker group's rendezvous round (SupervisedAgent.round)
+
+
+def goes_on(live: int, size: int, last_endpoint: bool) -> bool:
+    """Whether the `live` nodes of a group of `size` that still answer at the store go on without the
+    silent ones: a strict majority does; exactly half does only at the last endpoint of the list (the
+    silent half, cut off from it, has nowhere to move on to and exits 75); else this side stops, so that
+    two sides of a partition never both train."""
+    return live * 2 > size or (live * 2 == size and last_endpoint)
 
 
 class Liveness:

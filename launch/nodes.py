@@ -27,7 +27,7 @@ from launch import rendezvous
 from launch.agent import SupervisedAgent
 from launch.failures import Failure
 from launch.inprocess import tell_the_ranks
-from launch.liveness import Liveness
+from launch.liveness import Liveness, goes_on
 from launch.policy import Decision
 from trainer.contract import COORD_STORE_ENV, EXIT_PREEMPTED
 
@@ -152,7 +152,7 @@ class Meeting:
         live = size - len(silent)
         if self._told is None:
             self.ledger.event("partition", silent=silent, live=live, group_size=size)
-        if live * 2 < size or (live * 2 == size and not self._last_endpoint):
+        if not goes_on(live, size, self._last_endpoint):
             reason = (f"this node is cut off: only {live} of the group's {size} node(s) answer (not a majority; "
                       f"silent: {', '.join(silent)}): stopping without committing, launch again to resume")
             self._decision = Decision(False, exit_code=EXIT_PREEMPTED, reason=reason)

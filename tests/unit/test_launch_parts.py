@@ -1,6 +1,7 @@
-"""The launcher's parts on their own, in this process: restart policy decisions, torchrun's words for
---nproc-per-node, goodput accounting, and the Kubernetes recipe. (The watchdog on real processes,
-CLI errors and the Slurm recipe: tests/integration/test_launch_cli.py.)"""
+"""The launcher's parts on their own, in this process: restart policy decisions, which side of a
+partition goes on, torchrun's words for --nproc-per-node, goodput accounting, and the Kubernetes
+recipe. (The watchdog on real processes, CLI errors and the Slurm recipe:
+tests/integration/test_launch_cli.py.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 
 from launch.failures import Failure
 from launch.ledger import Attempt, Ledger
+from launch.liveness import goes_on
 from launch.policy import RestartPolicy
 from tests.helpers import REPO
 from trainer.runtime.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_USAGE, read_events
@@ -56,6 +58,17 @@ def test_the_same_hang_again_and_again_is_a_crash_loop():
                      key="rank 0 stopped") for pid, s in ((101, 60.1), (202, 60.4), (303, 60.2))]
     assert policy.decide(hangs[0]).restart and policy.decide(hangs[1]).restart
     assert policy.decide(hangs[2]).exit_code == EXIT_CRASH_LOOP
+
+
+def test_the_side_of_a_partition_that_goes_on():
+    # A strict majority of the group answering at the store goes on, at any endpoint of the list.
+    assert goes_on(2, 3, last_endpoint=False) and goes_on(3, 4, last_endpoint=False)
+    # Half of it goes on only where the silent half cannot move on to host a rival group: two nodes at one
+    # endpoint, one lost without a word, is one node going on (it ended the job before).
+    assert goes_on(1, 2, last_endpoint=True) and goes_on(2, 4, last_endpoint=True)
+    assert not goes_on(1, 2, last_endpoint=False) and not goes_on(2, 4, last_endpoint=False)
+    # A minority never does.
+    assert not goes_on(1, 3, last_endpoint=True) and not goes_on(0, 2, last_endpoint=True)
 
 
 def test_nproc_per_node_takes_torchruns_words():
