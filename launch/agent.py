@@ -193,7 +193,11 @@ class SupervisedAgent(LocalElasticAgent):
     def renumber(self, ranks: dict[int, int]) -> None:
         """The running group went on in a smaller world (a lost node, in process): its ranks' new numbers
         (old global rank -> new), for the replacement of a rank started later and for the reports. The
-        lost nodes will not come to the exit barrier: it is skipped."""
+        lost nodes will not come to the exit barrier: it is skipped. Nor are they of the group any more: one
+        that comes back to the rendezvous is a node joining (the ranks here drain, committing their
+        progress, and restart with it), not a node of the group that restarted it (a failure: restarting at
+        once, from the older state the two worlds still share, would lose the steps trained alone)."""
+        self._round_nodes = frozenset({getattr(self.spec.rdzv_handler, "_this_node", None)}) & self._round_nodes
         world = len(ranks)
         for worker in self._worker_group.workers:
             worker.global_rank = worker.role_rank = ranks[worker.global_rank]

@@ -4,7 +4,9 @@ launchers of its worker group. Two verdicts, each after `LOST_S` of silence:
 
 - `cut_off()`: this launcher's own store connection has not answered (a partition around this node, or
   the node hosting the store is lost). Its ranks sit in collectives that never end; the launcher stops
-  them and moves down the endpoint list or exits 75 (launch.supervisor).
+  them and moves down the endpoint list or exits 75 (launch.supervisor). The silence must also be seen
+  for `CONFIRM_S`: a node that was paused (a frozen VM) wakes with an old last answer and gets a new one
+  within a pass; the others, which went on without it meanwhile, take it back at the next rendezvous.
 - `silent()`: the store answers, but the counter of another launcher of the group stopped (that node is
   cut off, or lost without a word). The ranks here wait in collectives with its ranks, which then fail
   only at the collective timeout: the launcher goes on without that node at once, or stops, as
@@ -25,6 +27,7 @@ from torch.distributed import TCPStore
 
 INTERVAL_S = 0.5  # how often each launcher counts up (and reads the others)
 LOST_S = 5.0  # silence after which a launcher, or the store, is lost
+CONFIRM_S = 1.0  # the store's silence must be seen for this long (not merely found on waking from a pause)
 KEY = "rekindle/alive/{node}"
 MEMBER_KEY = "rekindle/members/{group}/{rank}"  # group: the worker group's rendezvous round (SupervisedAgent.round)
 
@@ -48,6 +51,8 @@ class Liveness:
         self._members: dict[int, str] = {}  # group rank -> node, as they appear
         self._heard: dict[str, tuple[str, float]] = {}  # node -> (its counter, when it last changed, our clock)
         self._answered = time.monotonic()  # the store's last answer
+        self._quiet_seen: float | None = None  # when cut_off() first found the store quiet for lost_s
+        self._last_asked = 0.0  # cut_off()'s last call
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
 
@@ -64,9 +69,18 @@ class Liveness:
             self._group, self._members = (group, rank, size), {}
 
     def cut_off(self) -> float:
-        """Seconds the store has not answered, once that is `lost_s` or more (else 0)."""
-        quiet = time.monotonic() - self._answered
-        return quiet if quiet >= self.lost_s else 0.0
+        """Seconds the store has not answered, once that is `lost_s` or more and has stayed so for `CONFIRM_S`
+        of this caller's asking (else 0). A process that was paused (a VM frozen for seconds, SIGSTOP) wakes
+        with a stale last answer: its liveness thread gets a fresh one within a pass, before that."""
+        now = time.monotonic()
+        quiet = now - self._answered
+        if quiet < self.lost_s:
+            self._quiet_seen = None
+            return 0.0
+        if self._quiet_seen is None or now - self._last_asked > CONFIRM_S:  # not asked meanwhile: a pause
+            self._quiet_seen = now
+        self._last_asked = now
+        return quiet if now - self._quiet_seen >= CONFIRM_S else 0.0
 
     def silent(self) -> list[str]:
         """The other nodes of the current group whose counter has not moved for `lost_s` (the store answering)."""

@@ -222,8 +222,8 @@ class Supervisor(Meeting):
         on in process in a smaller world; when they cannot, the group restarts (True)."""
         kept = {lr: beats[rank]["pid"] for lr, rank in self.agent.global_ranks().items() if rank in beats}
         lost, why = self.inproc.smaller_world(self.agent, generation, self.opts.min_nodes, os.environ[COORD_STORE_ENV])
-        failure = Failure(lost[0] if lost else 0, "node", self._last_step() + 1, key="node lost",
-                          message=f"rank(s) {lost} of another node stopped answering: the node is lost")
+        failure = Failure(lost[0] if lost else 0, "node", self._last_step() + 1, key="node lost", message=(
+            f"rank(s) {lost} of another node stopped answering: the node is lost" if lost else f"a peer left: {why}"))
         if why:
             log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
             self.ledger.event("in_process_fallback", why=why, rank=failure.rank)

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -188,21 +187,25 @@ def test_a_second_job_on_the_same_run_dir_is_refused(cache_dir, tmp_path):
     assert third.returncode == 0, out[-3000:]
 
 
-def test_elastic_job_goes_on_with_fewer_nodes_when_a_node_is_lost_without_a_word(cache_dir, tmp_path):
+def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wakes(cache_dir, tmp_path):
     """--nnodes 1:2, each node with its own memory directory: SIGSTOP the second node's launcher, fork server
-    and rank, and delete its memory (a node that lost its power: its connections stay open and nothing
-    fails in the collectives its peer waits in; a crash's SIGKILL, which closes them, is the Slurm test's
-    and bench_node_loss's). The first node's launcher finds it silent (launch.liveness): alone, but at the
-    only endpoint, it goes on; it tells its rank, which leaves its collective and goes on alone in process
-    (world 1), with the same global batch, from the 2-rank memory snapshot resharded from its own part and
-    its peer copy of the lost one (a step or two back; no durable checkpoint but the last)."""
+    and rank (a node frozen or without power: its connections stay open and nothing fails in the
+    collectives its peer waits in; a crash's SIGKILL, which closes them, is the Slurm test's and
+    bench_node_loss's). The first node's launcher finds it silent (launch.liveness): alone, but at the only
+    endpoint, it goes on; it tells its rank, which leaves its collective and goes on alone in process (world
+    1), with the same global batch, from the 2-rank memory snapshot resharded from its own part and its
+    peer copy of the other (a step or two back; no durable checkpoint but the last). Then SIGCONT (a VM
+    that was frozen): the woken node does not take its own pause for the store's silence (it would exit
+    75), its rank ends itself if its collective never fails (regroup.STUCK_S), and it rejoins: both finish
+    in a world of 2 again."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
-    memory = {node: tmp_path / f"shm-{node}" for node in "ab"}
+    slow = {"REKINDLE_SLOW_RANK": "0:0.4@40-75"}  # after going on alone: 14 s for the woken node to rejoin
 
     def node(name: str) -> subprocess.Popen:
         return launch(tmp_path, ["train.steps=100", "checkpoint.every=200", "checkpoint.memory_every=1",
-                                 f"checkpoint.memory_dir={memory[name]}"], nproc=1, extra_args=args)
+                                 f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}", "fault.straggler_factor=0"],
+                      nproc=1, extra_args=args, env=slow)
 
     procs = [node("a")]
     time.sleep(1.0)  # within the rendezvous's last call (3 s): both take part
@@ -211,9 +214,8 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_node_is_lost_without_a_word
     h = rendezvous_host(tmp_path, procs)  # lose the other one: the job goes on at the same endpoint
     host, guest = procs[h], procs[1 - h]
     try:
-        freeze_tree(guest.pid)  # the launcher, its fork server and its rank: none writes into its memory after
+        frozen = freeze_tree(guest.pid)  # the launcher, its fork server and its rank
         lost = time.time()
-        shutil.rmtree(memory["ab"[1 - h]])
         # The survivor's heartbeat goes under its new number, as the launcher now knows it (it may have been 1).
         deadline = time.time() + 60
         while not any(e["event"] == "resume" for e in read_events(tmp_path)):
@@ -222,15 +224,18 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_node_is_lost_without_a_word
         (directory,) = tmp_path.glob(f"heartbeats-*{host.pid}-*")
         beats = read_heartbeats(directory)
         assert list(beats) == [0] and beats[0]["generation"] == 1, beats
-        out = finish(host)
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        woke = time.time()
+        out, guest_out = finish(host), finish(guest, timeout=60)
     finally:
         kill_tree(guest.pid)
-    assert host.returncode == 0, out[-4000:]
-    assert "world 2 (gloo" in out and "world 1 (gloo" in out, out[-3000:]
+    assert (host.returncode, guest.returncode) == (0, 0), (out[-3000:], guest_out[-3000:])
     events = read_events(tmp_path)
+    guest_node = f"{socket.gethostname()}:{guest.pid}"
     silent = [e for e in events if e["event"] == "partition"]
-    assert [(e["silent"], e["live"], e["group_size"]) for e in silent] == [([f"{socket.gethostname()}:{guest.pid}"],
-                                                                             1, 2)], silent
+    assert [(e["silent"], e["live"], e["group_size"]) for e in silent] == [([guest_node], 1, 2)], silent
     assert 4 < silent[0]["time"] - lost < 15, (lost, silent)  # liveness.LOST_S (from its last count), not a timeout
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["tier"] == "memory-reshard" and resume["lost_steps"] <= 2 and resume["step"] >= 14, resume
@@ -238,12 +243,19 @@ def test_elastic_job_goes_on_with_fewer_nodes_when_a_node_is_lost_without_a_word
     assert 4 < resume["recovery_s"] < 20, resume  # from the lost node's last sign of life: the silence counts
     assert "memory snapshot of 2 rank(s)" in out and "resharded to 1" in out, out[-3000:]
     assert re.search(r"going on in process as rank 0 of 1 \(was rank [01] of 2\)", out), out[-3000:]
-    assert "telling the ranks here to leave generation 0" in out, out[-3000:]
-    joins = [e for e in events if e["event"] == "restart"]  # a launcher late for the first round
-    assert all(e["reason"] == "membership change" for e in joins), joins
-    assert out.count("worker(s) started") == 1 + len(joins) and "going on without them" in out  # pid kept
+    assert "telling the ranks here to leave generation 0" in out and "going on without them" in out, out[-3000:]
     failure = next(e for e in events if e["event"] == "failure")
     assert (failure["cause"], failure["path"]) == ("node", "in-process") and failure["rank"] in (0, 1), failure
+    # The woken node rejoined: the survivor restarted its group with it (a node waiting), a world of 2 again.
+    rejoined = [e for e in events if e["event"] == "restart" and e["node"] != guest_node and e["time"] > woke]
+    assert [e["reason"] for e in rejoined] == ["membership change"], rejoined
+    assert out.count("world 2 (gloo") == 2 and "world 1 (gloo" in out, out[-3000:]
+    assert "the rendezvous endpoint" not in guest_out and "frame #" not in guest_out, guest_out[-3000:]  # not cut off
+    assert rejoined[0]["time"] - woke < 15 + 5, (woke, rejoined)  # regroup.STUCK_S at worst, and a restart
+    # The survivor committed what it trained alone before restarting with it (an emergency checkpoint): nothing
+    # lost, where restarting at once would have gone back to the snapshot both worlds share.
+    again = [e for e in events if e["event"] == "resume" and e["time"] > rejoined[0]["time"]]
+    assert len(again) == 2 and all(e["lost_steps"] == 0 and e["step"] >= 40 for e in again), again
     assert read_metrics(tmp_path)[100]["step"] == 100
 
 

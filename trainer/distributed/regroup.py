@@ -52,6 +52,10 @@ class RejoinFailed(RuntimeError):
 # after that it leaves on its own when its own collective has not failed meanwhile (trainer.recover).
 WATCH_S = 0.1
 NOTICE_GRACE_S = 0.2
+# A rank that left so and still has not begun its recovery this long after is blocked where no error reaches
+# it (on one node its launcher replaces it after launch.inprocess.UNAWARE_S, well before): it ends itself,
+# and its launcher restarts it, instead of the hang timeout doing so a minute later.
+STUCK_S = 10.0
 FAILED_KEY = "g{generation}/failed"  # set by the first ranks to notice that `generation`'s predecessor failed
 
 # How often a waiting survivor asks the store: every survivor asks, and on a few cores their asking
@@ -147,10 +151,20 @@ class Regroup:
     def _watch(self, store: dist.Store) -> None:
         """The watch thread: another rank noticed a failure and this rank, NOTICE_GRACE_S later, has not
         (gloo fails only the operations of the connection that broke: a rank blocked in a receive from a
-        survivor can wait for the group's timeout): leave the generation here, which fails that receive."""
+        survivor can wait for the group's timeout): leave the generation here, once, which fails that
+        receive. Still not recovering STUCK_S later: end this rank (exit 1) for its launcher to restart."""
+        left: tuple[int, float] | None = None  # (the generation left for, when)
         while True:
             time.sleep(WATCH_S)
             generation = self.generation + 1
+            if left is not None and left[0] == generation:
+                if not self._recovering and time.monotonic() - left[1] > STUCK_S:
+                    from trainer.runtime.fault import stop_now
+
+                    stop_now(f"rank {self.rank} left generation {generation - 1} {STUCK_S:.0f}s ago and its "
+                             f"collective still has not failed (blocked where no error reaches it): ending this "
+                             f"rank, for its launcher to start it again", 1)
+                continue
             try:
                 if not store.check([FAILED_KEY.format(generation=generation)]):
                     continue
@@ -160,6 +174,7 @@ class Regroup:
             with self._lock:
                 if not self._recovering and self.generation + 1 == generation:
                     cut = self.leave()
+                    left = (generation, time.monotonic())
                     sys.stderr.write(f"[rekindle] rank {self.rank}: another rank noticed the failure of generation "
                                      f"{generation - 1} and this one had not: left it ({cut} connection(s) shut)\n")
 
