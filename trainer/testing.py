@@ -34,20 +34,27 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def signal_tree(pid: int, sig: int) -> list[int]:
+    """Send `sig` to `pid`, its process group and every process below it (a node: the launcher, its fork
+    server and its ranks, in sessions of their own). Returns the pids it was sent to."""
+    victims = [pid, *descendants(pid)]
+    for send, target in [(os.killpg, pid)] + [(os.kill, p) for p in victims]:
+        try:
+            send(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return victims
+
+
 def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
-    """SIGKILL `pid`, its process group and every process below it (a lost node: the launcher, its fork
-    server and its ranks), then wait until none is left (bounded), so that nothing of it writes on."""
+    """SIGKILL `pid` and everything below it (`signal_tree`: a lost node), then wait until none is left
+    (bounded), so that nothing of it writes on."""
     import signal
     import time
 
     from trainer.runtime.process import is_alive
 
-    victims = [pid, *descendants(pid)]
-    for send, target in [(os.killpg, pid)] + [(os.kill, p) for p in victims]:
-        try:
-            send(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    victims = signal_tree(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
     for victim in victims:
         while is_alive(victim):  # a zombie waiting for its parent to reap it counts as dead
@@ -57,18 +64,12 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
 
 
 def freeze_tree(pid: int) -> list[int]:
-    """SIGSTOP `pid`, its process group and every process below it: a node lost without a word (its power
-    or its link gone), whose connections stay open and silent, unlike a crash's. Returns the pids stopped;
-    `kill_tree` ends them."""
+    """SIGSTOP `pid` and everything below it (`signal_tree`): a node lost without a word (frozen, or its
+    power or link gone), whose connections stay open and silent, unlike a crash's. Returns the pids
+    stopped (SIGCONT wakes them; `kill_tree` ends them)."""
     import signal
 
-    victims = [pid, *descendants(pid)]
-    for send, target in [(os.killpg, pid)] + [(os.kill, p) for p in victims]:
-        try:
-            send(target, signal.SIGSTOP)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return victims
+    return signal_tree(pid, signal.SIGSTOP)
 
 
 def _hosted(run_dir) -> list[dict]:
