@@ -170,9 +170,13 @@ class InProcessRecovery:
         agent.renumber(publish_smaller_world(store, generation, arrived))
         return lost, ""
 
-    def dead_pids(self) -> frozenset[int]:
-        """Pids the watchdog must not judge: the failed ranks of the recovery under way."""
-        return self.pending.dead_pids if self.pending is not None else frozenset()
+    def unjudged_pids(self) -> frozenset[int]:
+        """Pids the watchdog must not judge while a recovery is under way: its failed ranks, and its survivors,
+        which wait for the replacement (UNAWARE_S and RECOVERY_BOUND_S bound them). A survivor of a hung
+        rank has not finished a step for as long as the hung one: judged too, it turned the recovery of a
+        SIGSTOPped rank into a full restart whenever its verdict came before its own notice."""
+        p = self.pending
+        return p.dead_pids | frozenset(p.kept.values()) if p is not None else frozenset()
 
     def overdue(self, now: float) -> tuple[int, str] | None:
         """(the rank it replaced, why) once the pending recovery has taken longer than RECOVERY_BOUND_S (it is

@@ -196,7 +196,7 @@ class Supervisor(Meeting):
                 return self._go_smaller(*lost, beats)
             if self.inproc.hang is not None and now - self.inproc.hang_killed_at < HANG_EXIT_WAIT_S:
                 return False  # the hung rank was SIGKILLed alone: its exit is on its way to the agent
-            hang = self.watchdog.check(self.attempt, now, ignore=self.inproc.dead_pids())
+            hang = self.watchdog.check(self.attempt, now, ignore=self.inproc.unjudged_pids())
             if hang and self.inproc.enabled and self.inproc.pending is None and hang.state != "gone":
                 # In process: kill the hung rank alone; its replacement is started as for a crash.
                 self.inproc.hang, self.inproc.hang_killed_at = failures.from_hang(hang, self.cfg.checkpoint_dir), now

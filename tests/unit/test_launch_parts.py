@@ -251,10 +251,11 @@ def test_a_survivor_that_never_notices_the_failure_is_replaced_in_the_same_gener
     env, why = inproc.offer(died, beats("train"), Failure(1, "signal", 5), {0: 100, 1: 101, 2: 102})
     assert env == {GENERATION_ENV: "1"} and not why
     noticed = inproc.pending.noticed
+    assert inproc.unjudged_pids() == {100, 101, 102}  # the watchdog leaves the failed rank and the survivors alone
     assert inproc.unaware_ranks(beats("train"), noticed + UNAWARE_S / 2) == ({}, None)  # not yet
     assert inproc.unaware_ranks(beats("train"), noticed + UNAWARE_S) == ({2: 102}, None)
     assert inproc.unaware_ranks(beats("train"), noticed + UNAWARE_S + 1) == ({}, None)  # once
-    assert 102 in inproc.dead_pids()  # the watchdog leaves it alone meanwhile
+    assert 102 in inproc.unjudged_pids()  # the watchdog leaves it alone meanwhile
     assert inproc.replace_unaware(died, beats("train")) is None  # not one of them
     assert inproc.replace_unaware({2: RankExit(2, 2, -9, 0.0)}, beats("train")) == {GENERATION_ENV: "1"}
     assert inproc.pending.replaced == [1, 2] and inproc.pending.kept == {0: 100}
