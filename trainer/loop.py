@@ -107,9 +107,10 @@ def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult,
     progress.busy_s += time.perf_counter() - step_start
     if step == progress.start_step + 1:  # start-up is over: hangs from here on should fail fast
         parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
-        # The heap has its steady size now: back it with 2 MiB pages. Not after a restart: the collapse
-        # (on the training thread, in proportion to the heap) would add to every recovery.
-        if cfg.dist.tune_malloc and info.device.type == "cpu" and protocol.attempt() == 0:
+        # The heap has its steady size now: back it with 2 MiB pages. Not after a restart, nor in a rank
+        # that replaces a failed one: the collapse (on the training thread, in proportion to the heap; a
+        # forked rank's heap is its fork server's, copied as it goes) would add to every recovery (0.3 s).
+        if cfg.dist.tune_malloc and info.device.type == "cpu" and protocol.first_start():
             host.huge_pages_for_heap()
     meters.window.add(float(result.loss), data_wait)
     meters.metrics.step(step)

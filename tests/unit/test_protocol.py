@@ -3,7 +3,17 @@ fault-injection spec names a step and optionally a rank, and heartbeats round-tr
 
 from __future__ import annotations
 
-from trainer.runtime.protocol import HEARTBEAT_DIR_ENV, Heartbeat, append_jsonl, injected, read_heartbeats, read_jsonl
+from trainer.runtime.protocol import (
+    GENERATION_ENV,
+    HEARTBEAT_DIR_ENV,
+    RESTART_COUNT_ENV,
+    Heartbeat,
+    append_jsonl,
+    first_start,
+    injected,
+    read_heartbeats,
+    read_jsonl,
+)
 
 
 def test_a_torn_line_costs_only_itself(tmp_path):
@@ -20,6 +30,19 @@ def test_injection_spec_names_a_step_and_optionally_a_rank():
     assert injected("5", 5, 0) and injected("5", 5, 3)
     assert injected("5:1", 5, 1) and not injected("5:1", 5, 0)
     assert not injected("5", 4, 0) and not injected("", 5, 0)
+
+
+def test_only_the_launchs_first_ranks_are_a_first_start(monkeypatch):
+    """What start-up may cost once (the heap's huge-page collapse, 0.3 s in a forked rank) is left out of a
+    restarted rank and of a replacement joining a later generation: the other ranks would wait for it."""
+    monkeypatch.delenv(RESTART_COUNT_ENV, raising=False)
+    monkeypatch.delenv(GENERATION_ENV, raising=False)
+    assert first_start()
+    monkeypatch.setenv(GENERATION_ENV, "2")  # forked into generation 2 of the groups: in-process recovery
+    assert not first_start()
+    monkeypatch.setenv(GENERATION_ENV, "0")
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")  # the group's second attempt: a restart
+    assert not first_start()
 
 
 def test_heartbeat_records_round_trip(tmp_path, monkeypatch):

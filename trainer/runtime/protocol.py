@@ -53,6 +53,13 @@ def attempt() -> int:
     return int(os.environ.get(RESTART_COUNT_ENV, 0))
 
 
+def first_start() -> bool:
+    """Whether this process is one of the launch's first ranks: not restarted (attempt 0), and not a
+    replacement forked into a later generation of the groups (in-process recovery), whose every
+    start-up cost is on the other ranks' wait."""
+    return attempt() == 0 and int(os.environ.get(GENERATION_ENV, 0)) == 0
+
+
 def worker_group() -> str:
     """The worker group's name on the ranks' coordination store, the same on every node: its rendezvous
     round (the launcher's `ROUND_ENV`). A node's restart count is not: a membership change does not count
