@@ -89,6 +89,16 @@ def test_write_all_writes_more_buffers_than_one_system_call_takes(tmp_path):
     assert (tmp_path / "part.bin").read_bytes() == b"".join(chunks)
 
 
+def test_a_header_whose_tensor_table_was_encoded_once_reads_back_the_same(tmp_path):
+    import json
+
+    from trainer.checkpoint.memory_slots import write_header
+
+    header = {"step": 7, "state": {"tokens_seen": 3}, "tensors": [["w", "float32", [2, 3], 0, 24]], "records": []}
+    write_header(tmp_path / "a.json", header, json.dumps(header["tensors"]))
+    assert json.loads((tmp_path / "a.json").read_bytes()) == header
+
+
 def test_slots_rotate_and_a_torn_or_flipped_one_is_skipped(tmp_path, caplog):
     model, opt = trained(0)
     memory = tier(tmp_path)

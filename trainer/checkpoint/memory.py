@@ -235,7 +235,7 @@ class MemoryTier:
         binary, head = self._paths(self._slot(header["step"]))
         checksum = memory_slots.write_data(binary, head, self._parts.views(layout), size)
         header.update(bytes=size, checksum=checksum, tensors=table, records=[r.to_json() for r in header["records"]])
-        memory_slots.write_header(head, header)
+        memory_slots.write_header(head, header, self._parts.table_json(table))
         self.bytes = size
 
     def wait(self) -> None:

@@ -67,9 +67,14 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views[0] = views[0][done:]
 
 
-def write_header(head: Path, header: dict) -> None:
-    """The header last, whole: the part exists once it is there."""
-    storage.atomic_write(head, json.dumps(header).encode())
+def write_header(head: Path, header: dict, tensors_json: str | None = None) -> None:
+    """The header last, whole: the part exists once it is there. `tensors_json`: its "tensors" table,
+    already encoded (the same from one snapshot to the next)."""
+    if tensors_json is None:
+        data = json.dumps(header)
+    else:
+        data = json.dumps({k: v for k, v in header.items() if k != "tensors"})[:-1] + f', "tensors": {tensors_json}}}'
+    storage.atomic_write(head, data.encode())
 
 
 def keep_part(binary: Path, head: Path, header: bytes, data: bytes) -> dict:

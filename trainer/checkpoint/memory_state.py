@@ -5,6 +5,7 @@ part's bytes (kept from snapshot to snapshot while the tensors are the same), an
 from __future__ import annotations
 
 import base64
+import json
 import operator
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,8 @@ class PartLayout:
     def __init__(self) -> None:
         self._cache: tuple[list, list[int], Layout] | None = None
         self._staging: torch.Tensor | None = None  # on a GPU: the part's bytes in pinned memory, reused
+        self._views: tuple[Layout, list[memoryview]] | None = None  # on the CPU: the cached layout's buffers
+        self._table_json: tuple[list, str] | None = None  # the cached layout's tensor table, encoded
 
     def of(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
         """The part's layout: the header's tensor table (`local_tensors`), flat byte views of the non-empty
@@ -133,7 +136,7 @@ class PartLayout:
             kept, kept_addresses, layout = self._cache
             if kept_addresses == addresses and len(kept) == len(objects) and all(map(operator.is_, kept, objects)):
                 return layout
-            self._cache = None
+            self._cache = self._views = self._table_json = None
         tensors = local_tensors(model, optimizer)
         table, at = [], 0
         for name, t in tensors:
@@ -150,6 +153,8 @@ class PartLayout:
         """The part's bytes, as buffers to write straight from their memory: the tensors' own on the CPU
         (writing them one by one would hold the interpreter lock the training thread waits for); on a GPU,
         one reused pinned buffer they are first copied into."""
+        if self._views is not None and self._views[0] is layout:
+            return self._views[1]
         table, flat, at = layout
         if any(v.device.type != "cpu" for v in flat):
             if self._staging is None or self._staging.numel() != at:
@@ -157,7 +162,17 @@ class PartLayout:
             for v, (_, _, _, offset, nbytes) in zip(flat, [row for row in table if row[4]], strict=True):
                 self._staging[offset:offset + nbytes].copy_(v)
             flat = [self._staging]
-        return [memoryview(v.numpy()) for v in flat]
+            return [memoryview(self._staging.numpy())]
+        views = [memoryview(v.numpy()) for v in flat]
+        if self._cache is not None and self._cache[2] is layout:  # they alias the tensors: kept with the layout
+            self._views = (layout, views)
+        return views
+
+    def table_json(self, table: list) -> str:
+        """The tensor table as JSON, encoded once while the layout is kept (most of a header's bytes)."""
+        if self._table_json is None or self._table_json[0] is not table:
+            self._table_json = (table, json.dumps(table))
+        return self._table_json[1]
 
 
 @torch.no_grad()
