@@ -7,7 +7,7 @@ their processes and re-form the groups with them), or let the whole group restar
   exits, and so does a replacement that failed): the whole group restarts;
 - a preemption, a storage fault or bad input: the restart policy's usual path;
 - one node alone whose every rank failed: nobody is left to recover with.
-Under --nnodes MIN:MAX a node whose every rank waits for ranks of other nodes that nobody replaces
+Under --nnodes MIN:MAX a node whose every rank waits for ranks of other nodes whose launcher said nothing
 (NODE_LOST_S) tells its survivors to go on without them, in a smaller world (`smaller_world`), when they
 are all here; otherwise the group restarts (a rendezvous forms the smaller world).
 It keeps the pending recovery until every rank of this node has finished a step in the new generation,
@@ -19,12 +19,15 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from launch.failures import Failure
 from trainer.contract import (
+    COORD_STORE_ENV,
     EXIT_PREEMPTED,
     EXIT_STORAGE,
     EXIT_USAGE,
@@ -32,14 +35,19 @@ from trainer.contract import (
     announce_failure,
     arrived_ranks,
     coordination_store,
+    failure_handled,
     publish_smaller_world,
 )
 
 log = logging.getLogger(__name__)
 
-# Every rank of this node recovering this long, with nobody to wait for but ranks of other nodes: their
-# node is lost (a crashed rank of a live node is replaced within a second: its launcher forks it warm).
-NODE_LOST_S = 1.0
+# Every rank of this node recovering this long, with nobody to wait for but ranks of other nodes, and no
+# word from their launcher: their node is lost. A live node's launcher sees its rank's exit within a monitor
+# interval (25 ms) and says at once that it handles it (`handled`: it restarts its group, several nodes), then
+# comes to the rendezvous to meet again (about 0.9 s here), where this node's launcher finds it and restarts
+# with it instead of going on without it; it waits NODE_HANDLED_S for that.
+NODE_LOST_S = 0.4
+NODE_HANDLED_S = 5.0
 
 # A survivor notices a lost peer within milliseconds (its collective fails, or a peer that noticed shuts its
 # connections). One still training in the failed generation this long after is blocked where no error
@@ -76,16 +84,20 @@ class InProcessRecovery:
     hang: Failure | None = None  # a hung rank this launcher killed, to be replaced as its failure
     hang_killed_at: float = 0.0
     silent_since: float | None = None  # the launcher told the ranks of nodes silent since then (launch.nodes)
+    _store: tuple[tuple[str, str], Any] | None = field(default=None, repr=False)  # `handled`'s connection
 
     def reset(self) -> None:
         """A full restart: the new group starts at generation 0."""
         self.generation, self.pending, self.hang, self.silent_since = 0, None, None, None
 
-    def offer(self, exits: dict, beats: dict[int, dict], failure: Failure,
-              running: dict[int, int]) -> tuple[dict[str, str] | None, str]:
+    def offer(self, exits: dict, beats: dict[int, dict], failure: Failure, running: dict[int, int],
+              agent=None) -> tuple[dict[str, str] | None, str]:
         """(environment for the replacements, '') to recover in process; (None, why not) otherwise (why
-        is '' when the usual path is simply the right one)."""
+        is '' when the usual path is simply the right one). With several nodes and the `agent`, the other
+        nodes' launchers hear that this one handles the failure (it restarts its group)."""
         if not self.enabled:
+            if self.smaller and agent is not None:  # several nodes: the group restarts; the other nodes wait for it
+                announce_handled(agent, max([self.generation, *(b.get("generation", 0) for b in beats.values())]) + 1)
             return None, ""
         if self.pending is not None:
             return None, (f"a second failure (rank {failure.rank}) during the in-process recovery of generation "
@@ -133,19 +145,41 @@ class InProcessRecovery:
         p.dead_pids = p.dead_pids | {beats[r]["pid"] for r in exits if r in beats}
         return {GENERATION_ENV: str(p.generation)}
 
-    def lost_node(self, beats: dict[int, dict], local: list[int], now: float) -> tuple[int, float] | None:
+    def lost_node(self, beats: dict[int, dict], agent, now: float, liveness=None) -> tuple[int, float] | None:
         """(generation, when the first rank noticed, or when the lost nodes were last heard if the launcher
-        told the ranks) once every rank of this node (`local`: their global ranks) has been recovering for
-        NODE_LOST_S with no failure of this node's under way; else None."""
+        told the ranks) once every rank of this node (the `agent`'s) has been recovering for NODE_LOST_S, or
+        NODE_HANDLED_S when the lost ranks' launcher said it handles their failure (`handled`), with no
+        failure of this node's under way; else None."""
+        local = sorted(agent.global_ranks().values())
         if not self.smaller or self.pending is not None or not local:
             return None
         waiting = [beats.get(rank, {}) for rank in local]
         if not all(b.get("phase") == "recover" and b.get("recovering") for b in waiting):
             return None
-        noticed = min(b.get("t_error") or now for b in waiting)
-        if now - noticed < NODE_LOST_S:
+        noticed, generation = min(b.get("t_error") or now for b in waiting), max(b["recovering"] for b in waiting)
+        waited = now - noticed
+        if waited < NODE_LOST_S or (waited < NODE_HANDLED_S and self.handled(agent, generation, liveness)):
             return None
-        return max(b["recovering"] for b in waiting), min(noticed, self.silent_since or noticed)
+        return generation, min(noticed, self.silent_since or noticed)
+
+    def handled(self, agent, generation: int, liveness=None) -> bool:
+        """Whether a launcher said it handles the failure before `generation` of the agent's worker group
+        (`announce_failure`), asked on the ranks' store (the rendezvous's) through one connection kept for the
+        group, made only while `liveness` (launch.liveness) hears the store answer: a connection to a store
+        that is gone prints torch's C++ frames. True when it cannot be asked (NODE_HANDLED_S then decides)."""
+        where = (os.environ.get(COORD_STORE_ENV, ""), agent.round())
+        if self._store is None or self._store[0] != where:
+            if liveness is None or not liveness.answering():
+                return True
+            self._store = (where, coordination_store(where[0], agent.run_id(), where[1], 2.0)
+                           if listens(where[0]) else None)
+        if self._store[1] is None:
+            return True
+        try:
+            return failure_handled(self._store[1], generation)
+        except Exception:  # noqa: BLE001 - it stopped answering: not asked again in this group
+            self._store = (where, None)
+            return True
 
     def go_smaller(self, generation: int, noticed: float, kept: dict[int, int], lost: list[int]) -> Pending:
         """The survivors here go on without the lost ranks in `generation`: the recovery under way."""
@@ -214,13 +248,30 @@ def print_stacks(beats: dict[int, dict]) -> None:
     time.sleep(0.5 if beats else 0.0)
 
 
-def tell_the_ranks(store_at: str, run_id: str, group: str, generation: int) -> None:
+def listens(where: str, timeout_s: float = 0.2) -> bool:
+    """Whether something accepts a TCP connection at `where` (host:port) within `timeout_s`."""
+    host, _, port = where.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def tell_the_ranks(store_at: str, run_id: str, group: str, generation: int, handled: bool = False) -> None:
     """A rank died and `generation` starts: tell the ranks of the worker group (`group`: its rendezvous
     round, SupervisedAgent.round) on their coordination store, so that one whose collective did not fail
-    leaves by itself (trainer.distributed.regroup's watch thread) instead of waiting for UNAWARE_S. Best
+    leaves by itself (trainer.distributed.regroup's watch thread) instead of waiting for UNAWARE_S; and,
+    `handled`, the other nodes' launchers that this one handles its ranks' failure (its node lives). Best
     effort (the ranks that noticed say so too), on a thread: the replacement's start does not wait for it."""
     def tell() -> None:
         with contextlib.suppress(Exception):
-            announce_failure(coordination_store(store_at, run_id, group, 5.0), generation)
+            announce_failure(coordination_store(store_at, run_id, group, 5.0), generation, handled=handled)
 
     threading.Thread(target=tell, name="tell-the-ranks", daemon=True).start()
+
+
+def announce_handled(agent, generation: int) -> None:
+    """Ranks here failed, and this launcher replaces them in `generation` or restarts its group: `tell_the_ranks`,
+    and the other nodes' launchers that this node lives (`InProcessRecovery.lost_node`)."""
+    tell_the_ranks(os.environ.get(COORD_STORE_ENV, ""), agent.run_id(), agent.round(), generation, handled=True)

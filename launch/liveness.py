@@ -82,6 +82,10 @@ class Liveness:
         self._last_asked = now
         return quiet if now - self._quiet_seen >= CONFIRM_S else 0.0
 
+    def answering(self) -> bool:
+        """Whether the store answered within two intervals: a new connection to it will not wait in vain."""
+        return time.monotonic() - self._answered < 2 * self.interval_s
+
     def silent(self) -> list[str]:
         """The other nodes of the current group whose counter has not moved for `lost_s` (the store answering)."""
         now = time.monotonic()

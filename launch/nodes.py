@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 MOVE_WAIT_S = 10.0  # how long a launcher moving down the list waits for the next endpoint's store to listen
 # Ranks told that nodes went silent leave their collective within a few tenths of a second and go on in a
-# smaller world a second later (launch.inprocess.NODE_LOST_S); not done by then: the group restarts.
+# smaller world soon after (launch.inprocess.NODE_LOST_S); not done by then: the group restarts.
 TOLD_S = 5.0
 
 

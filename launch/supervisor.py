@@ -27,7 +27,7 @@ from launch import failures, outcome, rendezvous
 from launch.agent import GroupStatus, SupervisedAgent
 from launch.commits import newest_commit
 from launch.failures import Failure
-from launch.inprocess import UNAWARE_S, InProcessRecovery, print_stacks, tell_the_ranks
+from launch.inprocess import UNAWARE_S, InProcessRecovery, announce_handled, print_stacks
 from launch.ledger import Ledger, format_summary, resume_line
 from launch.nodes import Meeting
 from launch.options import LaunchOptions
@@ -137,7 +137,7 @@ class Supervisor(Meeting):
         failure, self.inproc.hang = self.inproc.hang or failure, None  # a hung rank this launcher killed
         # The trainers' own pids (a warm rank's torchelastic worker is its stub): single node, local = global rank.
         running = {lr: beats[lr]["pid"] if lr in beats else pid for lr, pid in self.agent.worker_pids().items()}
-        env, why = self.inproc.offer(exits, beats, failure, running)
+        env, why = self.inproc.offer(exits, beats, failure, running, self.agent)
         if env is None:
             if why:
                 log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
@@ -149,7 +149,7 @@ class Supervisor(Meeting):
             self._recorded = True
             return None
         pending = self.inproc.pending
-        tell_the_ranks(os.environ.get(COORD_STORE_ENV, ""), self.agent.run_id(), self.agent.round(), pending.generation)
+        announce_handled(self.agent, pending.generation)
         self.ledger.attempt_started(self.attempt, pending.noticed, "failure", path="in-process")
         log.info(f"in-process recovery, generation {pending.generation}: starting rank(s) {pending.replaced} "
                  f"again; the other ranks keep their processes (pids {sorted(pending.kept.values())} here)")
@@ -192,7 +192,7 @@ class Supervisor(Meeting):
                          f"failure (blocked where no error reaches it): killing it, to start it again too")
                 self.ledger.event("in_process_unaware", rank=rank, pid=pid, generation=self.inproc.generation)
                 kill_group(pid)
-            if lost := self.inproc.lost_node(beats, sorted(self.agent.global_ranks().values()), now):
+            if lost := self.inproc.lost_node(beats, self.agent, now, self.liveness):
                 return self._go_smaller(*lost, beats)
             if self.inproc.hang is not None and now - self.inproc.hang_killed_at < HANG_EXIT_WAIT_S:
                 return False  # the hung rank was SIGKILLed alone: its exit is on its way to the agent

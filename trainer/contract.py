@@ -14,8 +14,9 @@ imports from trainer/ (a unit test holds it to that). What crosses:
     committed_steps, read_commit, step_dir    trainer.checkpoint.commit: the step a preempted job resumes from
     trainer_main                              the trainer.__main__ module: what the fork server runs in a forked rank
     coordination_store, arrived_ranks,        trainer.distributed.regroup: the in-process recovery's keys, where the
-    publish_smaller_world, announce_failure   launcher sends the survivors of a lost node on in a smaller world, and
-                                              tells the ranks that one of them died
+    publish_smaller_world, announce_failure,  launcher sends the survivors of a lost node on in a smaller world,
+    failure_handled                           tells the ranks that one of them died, and hears that another
+                                              launcher handles its own ranks' failure (its node lives)
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ _LAZY = {
     "coordination_store": ("trainer.distributed.regroup", "coordination_store"),
     "arrived_ranks": ("trainer.distributed.regroup", "arrived_ranks"),
     "announce_failure": ("trainer.distributed.regroup", "announce_failure"),
+    "failure_handled": ("trainer.distributed.regroup", "failure_handled"),
     "publish_smaller_world": ("trainer.distributed.regroup", "publish_smaller_world"),
 }
 

@@ -6,6 +6,7 @@ tests/integration/test_launch_cli.py.)"""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import yaml
@@ -266,3 +267,56 @@ def test_a_survivor_that_never_notices_the_failure_is_replaced_in_the_same_gener
     inproc.offer(died, unaware, Failure(1, "signal", 5), {0: 100, 1: 101, 2: 102})
     kill, stuck = inproc.unaware_ranks(unaware, inproc.pending.noticed + UNAWARE_S)
     assert kill == {} and stuck[0] == 1 and "no rank noticed" in stuck[1] and inproc.pending is None
+
+
+def test_a_node_is_lost_sooner_when_its_launcher_said_nothing(monkeypatch, capfd):
+    """launch.inprocess.lost_node, on a real store: every rank here recovering, waiting for ranks of another
+    node. Without a word from that node's launcher the node is lost after NODE_LOST_S; once its launcher
+    said that it handles the failure (it restarts its group: the node lives), only after NODE_HANDLED_S.
+    A store that does not answer: NODE_HANDLED_S too."""
+    from datetime import timedelta
+
+    from launch.inprocess import NODE_HANDLED_S, NODE_LOST_S, InProcessRecovery
+    from launch.liveness import Liveness
+    from trainer.contract import COORD_STORE_ENV, announce_failure, coordination_store, tcp_store_server
+    from trainer.testing import free_port
+
+    class Agent:  # the part of launch.agent.SupervisedAgent that lost_node asks
+        def global_ranks(self) -> dict[int, int]:
+            return {0: 0}
+
+        def round(self) -> str:
+            return "r1"
+
+        def run_id(self) -> str:
+            return "job"
+
+    server = tcp_store_server("127.0.0.1", 0, None, timedelta(seconds=5), wait_for_workers=False)
+    monkeypatch.setenv(COORD_STORE_ENV, f"127.0.0.1:{server.port}")
+    noticed = 1000.0
+    beats = {0: {"pid": 100, "phase": "recover", "recovering": 3, "t_error": noticed}}
+
+    liveness = Liveness(f"127.0.0.1:{server.port}", "node-a").start()  # asked only while the store answers
+    deadline = time.monotonic() + 10
+    while not liveness.answering():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+    def lost(after_s: float):
+        return InProcessRecovery(enabled=True, single_node=False, smaller=True).lost_node(
+            beats, Agent(), noticed + after_s, liveness)
+
+    store = coordination_store(f"127.0.0.1:{server.port}", "job", "r1", 5.0)
+    assert lost(NODE_LOST_S - 0.1) is None
+    announce_failure(store, 3, by="0")  # the ranks that noticed say so: not their launcher
+    assert lost(NODE_LOST_S + 0.01) == (3, noticed)  # nobody said the failure is handled
+    announce_failure(store, 2, handled=True)
+    assert lost(NODE_LOST_S + 0.01) == (3, noticed)  # another generation's announcement
+    announce_failure(store, 3, handled=True)
+    assert lost(NODE_LOST_S + 0.01) is None and lost(NODE_HANDLED_S) == (3, noticed)
+    assert InProcessRecovery(enabled=True, single_node=False, smaller=True).lost_node(
+        beats, Agent(), noticed + NODE_LOST_S + 0.01, None) is None  # no liveness: the store is not asked
+    monkeypatch.setenv(COORD_STORE_ENV, f"127.0.0.1:{free_port()}")  # nobody listens there
+    assert lost(NODE_LOST_S + 0.01) is None and lost(NODE_HANDLED_S) == (3, noticed)
+    assert "frame #" not in capfd.readouterr().err  # no connection was tried where nothing listens
+    liveness.stop()

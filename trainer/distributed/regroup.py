@@ -57,6 +57,7 @@ NOTICE_GRACE_S = 0.2
 # and its launcher restarts it, instead of the hang timeout doing so a minute later.
 STUCK_S = 10.0
 FAILED_KEY = "g{generation}/failed"  # set by the first ranks to notice that `generation`'s predecessor failed
+HANDLED_KEY = "g{generation}/handled"  # set by a failed rank's launcher: it replaces it, or restarts its group
 
 # How often a waiting survivor asks the store: every survivor asks, and on a few cores their asking
 # takes CPU from the replacement they wait for (7 survivors at 2 ms: about a sixth of 2 cores).
@@ -80,10 +81,19 @@ def publish_smaller_world(store: dist.Store, generation: int, survivors: list[in
     return ranks
 
 
-def announce_failure(store: dist.Store, generation: int, by: str = "launcher") -> None:
+def announce_failure(store: dist.Store, generation: int, by: str = "launcher", handled: bool = False) -> None:
     """A rank died and `generation` starts (said `by` the launcher, or by a rank that noticed): a rank that has
-    not noticed leaves (its watch thread, `Regroup._watch`)."""
+    not noticed leaves (its watch thread, `Regroup._watch`). `handled`: said by the failed ranks' launcher,
+    which replaces them or restarts its group: their node lives (`failure_handled`)."""
+    if handled:
+        store.set(HANDLED_KEY.format(generation=generation), by)
     store.set(FAILED_KEY.format(generation=generation), by)
+
+
+def failure_handled(store: dist.Store, generation: int) -> bool:
+    """Whether the launcher of the ranks that failed before `generation` said it handles their failure (the
+    launchers' side: their node is not lost)."""
+    return store.check([HANDLED_KEY.format(generation=generation)])
 
 
 def arrived_ranks(store: dist.Store, generation: int, world: int) -> list[int]:
