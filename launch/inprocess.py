@@ -95,9 +95,10 @@ class InProcessRecovery:
         """(environment for the replacements, '') to recover in process; (None, why not) otherwise (why
         is '' when the usual path is simply the right one). With several nodes and the `agent`, the other
         nodes' launchers hear that this one handles the failure (it restarts its group)."""
+        generation = max([self.generation, *(b.get("generation", 0) for b in beats.values())]) + 1
         if not self.enabled:
             if self.smaller and agent is not None:  # several nodes: the group restarts; the other nodes wait for it
-                announce_handled(agent, max([self.generation, *(b.get("generation", 0) for b in beats.values())]) + 1)
+                announce_handled(agent, generation)
             return None, ""
         if self.pending is not None:
             return None, (f"a second failure (rank {failure.rank}) during the in-process recovery of generation "
@@ -109,7 +110,7 @@ class InProcessRecovery:
         kept = {lr: pid for lr, pid in running.items() if lr not in failed_local}
         if self.single_node and not kept:
             return None, "every rank failed: nobody is left to recover with"
-        self.generation = max([self.generation, *(b.get("generation", 0) for b in beats.values())]) + 1
+        self.generation = generation
         dead = frozenset(beats[r]["pid"] for r in exits if r in beats)
         self.pending = Pending(self.generation, time.time(), sorted(exits), kept, failure.cause, dead)
         return {GENERATION_ENV: str(self.generation)}, ""

@@ -39,7 +39,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.runtime.protocol import COORD_STORE_ENV, GENERATION_ENV, worker_group
+from trainer.runtime import protocol
+from trainer.runtime.protocol import COORD_STORE_ENV, worker_group
 
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
@@ -145,7 +146,7 @@ class Regroup:
         run_id, group = os.environ.get(RUN_ID_ENV, ""), worker_group()
         store = coordination_store(where, run_id, group, timeout_s)
         skip = {int(where.rpartition(":")[2]), int(os.environ.get("MASTER_PORT", "0") or 0)}
-        regroup = cls(store, rank, world, int(os.environ.get(GENERATION_ENV, "0")), timeout_s, skip)
+        regroup = cls(store, rank, world, protocol.generation(), timeout_s, skip)
         watch_store = coordination_store(where, run_id, group, timeout_s)  # a connection of the thread's own
         threading.Thread(target=regroup._watch, args=(watch_store,), name="regroup-watch", daemon=True).start()
         return regroup

@@ -53,11 +53,17 @@ def attempt() -> int:
     return int(os.environ.get(RESTART_COUNT_ENV, 0))
 
 
+def generation() -> int:
+    """The generation of the groups this process was started into: 0, or a later one for a rank that
+    replaces a failed one in process (`GENERATION_ENV`)."""
+    return int(os.environ.get(GENERATION_ENV, 0))
+
+
 def first_start() -> bool:
     """Whether this process is one of the launch's first ranks: not restarted (attempt 0), and not a
     replacement forked into a later generation of the groups (in-process recovery), whose every
     start-up cost is on the other ranks' wait."""
-    return attempt() == 0 and int(os.environ.get(GENERATION_ENV, 0)) == 0
+    return attempt() == 0 and generation() == 0
 
 
 def worker_group() -> str:
@@ -101,7 +107,7 @@ class Heartbeat:
         self._size = HEARTBEAT_BYTES  # the file's length (records are padded to it with spaces)
         self.record: dict[str, Any] = {
             "pid": os.getpid(), "rank": rank, "attempt": attempt(), "group": worker_group(),
-            "generation": int(os.environ.get(GENERATION_ENV, 0)),  # of the groups (in-process recovery)
+            "generation": generation(),  # of the groups (in-process recovery)
             "phase": "init", "step": 0, "t": time.time(), "t_proc": process_start_time(), "t_load": 0.0,
             "t_loaded": 0.0, "t_first": 0.0, "resumed_step": 0, "busy_s": 0.0, "steps_run": 0,
         }
