@@ -46,8 +46,7 @@ from trainer.contract import (
 )
 
 log = logging.getLogger(__name__)
-
-
+AGAIN_AFTER_S = 1.0  # a second signal stops at once from then on; sooner, it is one signal sent to pid and group
 HANG_EXIT_WAIT_S = 10.0  # a hung rank SIGKILLed alone: how long its exit may take to reach the agent
 
 
@@ -355,14 +354,14 @@ class Supervisor(Meeting):
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
         if self.preempt_at is not None:
-            self._hard_stop = True
+            self._hard_stop = self._hard_stop or time.time() - self.preempt_at >= AGAIN_AFTER_S
             return
         self.preempt_at = time.time()
         self._ranks_at_signal = self.agent is not None and self.agent.running()
         name = signal.Signals(signum).name
         self.ledger.event("preempt", signal=name, step=self._last_step())
         log.info(f"{name}: asking the ranks to finish the step and commit an emergency checkpoint "
-                 f"(grace {self.cfg.fault.preempt_grace_s:.0f}s; send it again to stop at once)")
+                 f"(grace {self.cfg.fault.preempt_grace_s:.0f}s; send it again a second later to stop at once)")
 
     def _outcome(self) -> tuple[int, str]:
         """The exit code and one line saying why."""

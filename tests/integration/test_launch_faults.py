@@ -128,10 +128,16 @@ def test_a_relaunch_after_the_launcher_was_killed_counts_the_lost_steps(cache_di
 
 
 def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_dir, tmp_path):
+    """SIGTERM to the launcher, then to its process group a tenth of a second later (one preemption
+    delivered twice, as `kill PID; kill -- -PGID` or a wrapper relaying to both do): the ranks commit an
+    emergency checkpoint, which a second signal taken for "stop at once" would have cost; the next launch
+    resumes from it."""
     overrides = ["train.steps=150", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
     proc = launch(tmp_path, overrides)
     beat = wait_for_step(tmp_path, 20)
     os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.1)  # the launcher's handler has run by then: a second call, not one coalesced signal
+    os.killpg(proc.pid, signal.SIGTERM)  # its session and group (start_new_session): the launcher, fork server
     out = finish(proc, timeout=60)
     assert proc.returncode == 75, out[-4000:]
     events = read_events(tmp_path)
@@ -146,6 +152,24 @@ def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_d
     assert again.returncode == 0, out[-4000:]
     assert f"resumed from step {commits[-1]}" in out
     assert read_metrics(tmp_path)[150]["step"] == 150
+
+
+def test_a_second_sigterm_a_second_later_stops_at_once_without_the_emergency_checkpoint(cache_dir, tmp_path):
+    """Steps of 4 s: the ranks would commit at the end of the step in progress. A second SIGTERM 1.5 s after
+    the first (launch.supervisor.AGAIN_AFTER_S) stops at once: the ranks are SIGKILLed, nothing is
+    committed, the launcher exits 75 within seconds and says the step was not committed."""
+    proc = launch(tmp_path, ["train.steps=150", "checkpoint.every=5", "fault.preempt_grace_s=60"],
+                  env={"REKINDLE_SLOW_RANK": "0:4@8"})
+    wait_for_step(tmp_path, 7)
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(1.5)
+    signalled = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc, timeout=60)
+    assert time.time() - signalled < 8 and proc.returncode == 75, out[-3000:]
+    events = read_events(tmp_path)
+    assert [e["step"] for e in events if e["event"] == "commit"] == [5], events  # the periodic one only
+    assert "no emergency checkpoint of step 7 was committed" in events[-1]["outcome"], events[-1]
 
 
 def test_crash_loop_stops_early_with_its_own_exit_code_and_names_the_cause(cache_dir, tmp_path):

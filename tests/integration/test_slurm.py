@@ -396,12 +396,13 @@ def test_a_lost_node_leaves_the_other_going_on_then_the_requeued_job_resumes_on_
         failure = next(e for e in first if e["event"] == "failure")
         assert (failure["cause"], failure["path"], resumed["path"]) == ("node", "in-process", "in-process"), first
         assert len(next(e for e in first if e["event"] == "in_process_done")["kept_pids"]) == 1, first
-    # ... then SIGTERM: an emergency checkpoint, exit 75, nothing it had finished lost.
+    # ... then SIGTERM: an emergency checkpoint, exit 75, nothing it had finished lost (both attempts' output
+    # when not: the first attempt's launcher lines are not in the tail that say() shows).
     preempt = next(e for e in first if e["event"] == "preempt")
-    end = events[done[0]]
-    assert (end["exit_code"], end["outcome"]) == (75, "preempted"), end
+    end, both = events[done[0]], output.read_text(errors="replace")[-12000:]
+    assert (end["exit_code"], end["outcome"]) == (75, "preempted"), f"{end}\n{both}"
     step = end["committed_step"]
-    assert [e["step"] for e in first if e["event"] == "commit"] == [step], first  # the only commit
+    assert [e["step"] for e in first if e["event"] == "commit"] == [step], f"{first}\n{both}"  # the only commit
     assert preempt["step"] <= step < STEPS, (preempt, step)
     assert output.read_text().count("-> exit 75") == 1, say()
     # Attempt 2 (the requeued job): both launchers start, resume from that step exactly and finish.
