@@ -95,10 +95,9 @@ class InProcessRecovery:
         """(environment for the replacements, '') to recover in process; (None, why not) otherwise (why
         is '' when the usual path is simply the right one). With several nodes and the `agent`, the other
         nodes' launchers hear that this one handles the failure (it restarts its group)."""
-        generation = max([self.generation, *(b.get("generation", 0) for b in beats.values())]) + 1
+        generation = self.next_generation(beats)
         if not self.enabled:
-            if self.smaller and agent is not None:  # several nodes: the group restarts; the other nodes wait for it
-                announce_handled(agent, generation)
+            self.restarting(beats, agent)  # several nodes: the group restarts; the other nodes wait for it
             return None, ""
         if self.pending is not None:
             return None, (f"a second failure (rank {failure.rank}) during the in-process recovery of generation "
@@ -114,6 +113,17 @@ class InProcessRecovery:
         dead = frozenset(beats[r]["pid"] for r in exits if r in beats)
         self.pending = Pending(self.generation, time.time(), sorted(exits), kept, failure.cause, dead)
         return {GENERATION_ENV: str(self.generation)}, ""
+
+    def next_generation(self, beats: dict[int, dict]) -> int:
+        """The generation a recovery from now starts: one past the newest this node's ranks or this launcher knew."""
+        return max([self.generation, *(b.get("generation", 0) for b in beats.values())]) + 1
+
+    def restarting(self, beats: dict[int, dict], agent=None) -> None:
+        """Several nodes (`smaller`): this launcher restarts its group for a failure of its own ranks (a crash, a
+        hang its watchdog found); the other nodes' launchers hear it (`announce_handled`) and wait for the group
+        at the rendezvous, instead of going on without this node after NODE_LOST_S and restarting again."""
+        if self.smaller and agent is not None:
+            announce_handled(agent, self.next_generation(beats))
 
     def unaware_ranks(self, beats: dict[int, dict], now: float) -> tuple[dict[int, int], tuple[int, str] | None]:
         """(rank -> pid, None) of the survivors here still training in the failed generation UNAWARE_S after

@@ -203,6 +203,7 @@ class Supervisor(Meeting):
                 kill_group(hang.pid)
                 return False
             if hang:
+                self.inproc.restarting(beats, self.agent)  # several nodes: the others wait for this group
                 self._on_failure(failures.from_hang(hang, self.cfg.checkpoint_dir), "")
                 return True
         return False

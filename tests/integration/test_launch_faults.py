@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import KNOWN_PEAK, REPO, SMOKE, SOLO, child_env, free_port, read_metrics, smoke_model
@@ -284,35 +285,44 @@ def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wak
     assert read_metrics(tmp_path)[100]["step"] == 100
 
 
-def test_a_rank_killed_on_a_live_node_restarts_both_together_and_its_node_is_not_taken_for_lost(cache_dir, tmp_path):
-    """--nnodes 1:2, one rank per node: SIGKILL the second node's rank (its launcher lives). That launcher
-    restarts its group (a failed rank of a multi-node job) and first says so on the ranks' store
-    (`announce_failure(handled=True)`), so the first node's launcher, whose rank waits for the lost one,
-    does not take the node for lost after launch.inprocess.NODE_LOST_S (without the word it went on alone
-    in a world of 1 after 0.4 s, then had to restart again to take the node back): it finds the node gone
-    to meet again (0.9 s after the kill here) and restarts with it. Both resume at the same step from
-    memory, a world of 2."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_rank_failed_on_a_live_node_restarts_both_together_and_its_node_is_not_taken_for_lost(
+        cache_dir, tmp_path, sig):
+    """--nnodes 1:2, one rank per node: SIGKILL one node's rank, or SIGSTOP it (a hang, which that node's
+    watchdog finds after its fault.hang_timeout_s of 2 s, the other's being 60 s); its launcher lives. That
+    launcher restarts its group (a failed rank of a multi-node job) and first says so on the ranks' store
+    (`announce_failure(handled=True)`), so the other node's launcher, whose rank waits for the lost one, does
+    not take the node for lost after launch.inprocess.NODE_LOST_S (without the word it went on alone in a
+    world of 1 after 0.4 s, then had to restart again to take the node back; a hang did so until its restart
+    said it too): it finds the node gone to meet again (0.9 s after a kill here) and restarts with it. Both
+    resume at the same step from memory, a world of 2. (Without the word the hung case failed 3 of 6 runs:
+    the other failed when node b took longer than 0.4 s to meet again.)"""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=live-node"]
     overrides = ["train.steps=60", "checkpoint.every=200", "checkpoint.memory_every=1", "fault.straggler_factor=0"]
-    procs = [launch(tmp_path, [*overrides, f"checkpoint.memory_dir={tmp_path / 'shm-a'}"], nproc=1, extra_args=args)]
+
+    def node(name: str, hang_timeout_s: int) -> subprocess.Popen:
+        return launch(tmp_path, [*overrides, f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}",
+                                 f"fault.hang_timeout_s={hang_timeout_s}"], nproc=1, extra_args=args)
+
+    procs = [node("a", 60)]
     time.sleep(1.0)  # within the rendezvous's last call (3 s): both take part
-    procs.append(launch(tmp_path, [*overrides, f"checkpoint.memory_dir={tmp_path / 'shm-b'}"], nproc=1,
-                        extra_args=args))
+    procs.append(node("b", 2))
     try:
         wait_for_one_group(tmp_path, procs, 15)
-        guest = procs[1 - rendezvous_host(tmp_path, procs)]
-        victim = node_beat(tmp_path, guest.pid)
-        os.kill(victim["pid"], signal.SIGKILL)
+        # A killed rank: the guest's (not the rendezvous host's); a hung one: node b's, whose watchdog finds it.
+        failed = procs[1 - rendezvous_host(tmp_path, procs)] if sig == signal.SIGKILL else procs[1]
+        os.kill(node_beat(tmp_path, failed.pid)["pid"], sig)
         outs = [finish(p) for p in procs]
     finally:
         for p in procs:
             kill_tree(p.pid)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     events = read_events(tmp_path)
-    guest_node = f"{socket.gethostname()}:{guest.pid}"
-    failures = {e["node"] == guest_node: (e["cause"], e["path"]) for e in events if e["event"] == "failure"}
-    assert failures == {True: ("signal", "restart"), False: ("node", "restart")}, events
+    failed_node = f"{socket.gethostname()}:{failed.pid}"
+    failures = {e["node"] == failed_node: (e["cause"], e["path"]) for e in events if e["event"] == "failure"}
+    cause = "signal" if sig == signal.SIGKILL else "hang"
+    assert failures == {True: (cause, "restart"), False: ("node", "restart")}, events
     assert "going on without them" not in "".join(outs) and "world 1 (gloo" not in "".join(outs), outs[0][-3000:]
     resumes = [e for e in events if e["event"] == "resume"]
     assert len(resumes) == 2 and len({e["step"] for e in resumes}) == 1, resumes
