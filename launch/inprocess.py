@@ -276,6 +276,8 @@ def tell_the_ranks(store_at: str, run_id: str, group: str, generation: int, hand
     `handled`, the other nodes' launchers that this one handles its ranks' failure (its node lives). Best
     effort (the ranks that noticed say so too), on a thread: the replacement's start does not wait for it."""
     def tell() -> None:
+        if not listens(store_at):  # its host is lost: a connection would print torch's C++ frames (and wait 5 s)
+            return
         with contextlib.suppress(Exception):
             announce_failure(coordination_store(store_at, run_id, group, 5.0), generation, handled=handled)
 

@@ -320,3 +320,30 @@ def test_a_node_is_lost_sooner_when_its_launcher_said_nothing(monkeypatch, capfd
     assert lost(NODE_LOST_S + 0.01) is None and lost(NODE_HANDLED_S) == (3, noticed)
     assert "frame #" not in capfd.readouterr().err  # no connection was tried where nothing listens
     liveness.stop()
+
+
+def test_telling_the_ranks_reaches_a_live_store_and_tries_no_connection_to_a_gone_one(capfd):
+    """launch.inprocess.tell_the_ranks, on a real store: the announcement (here: the failure is handled)
+    arrives; towards a store whose host is gone nothing is tried (a connection would print torch's C++ frames
+    and wait 5 s), and the thread ends at once."""
+    import threading
+    from datetime import timedelta
+
+    from launch.inprocess import tell_the_ranks
+    from trainer.contract import coordination_store, failure_handled, tcp_store_server
+    from trainer.testing import free_port
+
+    def told(timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(t.name == "tell-the-ranks" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "tell_the_ranks did not end"
+            time.sleep(0.02)
+
+    server = tcp_store_server("127.0.0.1", 0, None, timedelta(seconds=5), wait_for_workers=False)
+    tell_the_ranks(f"127.0.0.1:{server.port}", "job", "r1", 4, handled=True)
+    told()
+    assert failure_handled(coordination_store(f"127.0.0.1:{server.port}", "job", "r1", 5.0), 4)
+    started = time.monotonic()
+    tell_the_ranks(f"127.0.0.1:{free_port()}", "job", "r1", 4, handled=True)  # nobody listens there
+    told()
+    assert time.monotonic() - started < 2.0 and "frame #" not in capfd.readouterr().err
