@@ -249,11 +249,11 @@ class InProcessRecovery:
         return p
 
 
-def print_stacks(beats: dict[int, dict]) -> None:
+def print_stacks(beats: dict[int, dict], why: str) -> None:
     """Have these ranks print their stacks (SIGUSR1: trainer.runtime.fault.stacks_on_sigusr1) before they
-    are killed: where the ones a recovery waited for in vain were stuck."""
+    are killed: where the ones a recovery waited for in vain, or a preemption's grace period, were stuck."""
     for rank, beat in sorted(beats.items()):
-        log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) did not come to the recovery: its stacks")
+        log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) {why}: its stacks")
         with contextlib.suppress(OSError):
             os.kill(beat["pid"], signal.SIGUSR1)
     time.sleep(0.5 if beats else 0.0)

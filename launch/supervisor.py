@@ -56,9 +56,7 @@ class Supervisor(Meeting):
 
     def __init__(self, cfg: Config, opts: LaunchOptions, zygote: Zygote | None = None) -> None:
         self.cfg, self.opts, f = cfg, opts, cfg.fault
-        # warm restarts: the fork server the ranks are forked from, started by launch.__main__ before it
-        # imported torch (None: warm restarts are off)
-        self.zygote: Zygote | None = zygote
+        self.zygote: Zygote | None = zygote  # warm restarts' fork server (started by launch.__main__; None: off)
         max_restarts = f.max_restarts if opts.max_restarts is None else opts.max_restarts
         self.policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
         self.ledger = Ledger(Path(cfg.run.dir))
@@ -213,7 +211,7 @@ class Supervisor(Meeting):
         and the whole group restarts (True)."""
         log.info(f"in-process recovery not possible: {why}; restarting the whole worker group")
         self.ledger.event("in_process_fallback", why=why, rank=rank)
-        print_stacks({r: b for r, b in beats.items() if b.get("phase") != "recover"})
+        print_stacks({r: b for r, b in beats.items() if b.get("phase") != "recover"}, "did not come to the recovery")
         self._on_failure(Failure(rank, "hang", self._last_step() + 1, message=why, key="in-process recovery stuck"), "")
         return True
 
@@ -271,6 +269,9 @@ class Supervisor(Meeting):
         self._signalled |= pids
         grace = self.cfg.fault.preempt_grace_s
         if self._hard_stop or now > self.preempt_at + grace - min(5.0, 0.25 * grace):  # a reserve to finish in
+            if not self._hard_stop:  # once: where the ranks that did not commit in time are stuck
+                print_stacks(self.watchdog.beats(self.attempt), "did not commit its emergency checkpoint in time")
+            self._hard_stop = True
             self.agent.kill()
 
     # ------------------------------------------------------------------ main thread
@@ -302,8 +303,7 @@ class Supervisor(Meeting):
         return self._finish()
 
     def _use_zygote(self) -> None:
-        """Point the stubs at the fork server (launch.zygote) and wait until it listens. Its import
-        overlaps the launcher's own and the first stubs' start (they wait for it)."""
+        """Point the stubs at the fork server (launch.zygote) and wait until it listens (the stubs wait too)."""
         os.environ[ZYGOTE_ENV] = self.zygote.socket
         self.zygote.wait_bound()
         log.info(f"warm restarts: ranks are forked from a process with torch and the trainer imported "

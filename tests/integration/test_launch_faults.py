@@ -173,6 +173,24 @@ def test_a_second_sigterm_a_second_later_stops_at_once_without_the_emergency_che
     assert "no emergency checkpoint of step 7 was committed" in events[-1]["outcome"], events[-1]
 
 
+def test_ranks_that_cannot_commit_within_the_grace_period_print_their_stacks_then_are_killed(cache_dir, tmp_path):
+    """Steps of 8 s and fault.preempt_grace_s=4: the ranks cannot reach the end of their step in time. At the
+    grace period less its reserve (25%) the launcher has them print their stacks (SIGUSR1), which show where
+    they were (in the step: one sleeping, the other waiting for it), SIGKILLs them and exits 75, saying the
+    step was not committed."""
+    proc = launch(tmp_path, ["train.steps=150", "checkpoint.every=5", "fault.preempt_grace_s=4"],
+                  env={"REKINDLE_SLOW_RANK": "0:8@8"})
+    wait_for_step(tmp_path, 7)
+    time.sleep(0.5)  # into step 8's sleep
+    signalled = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc, timeout=60)
+    assert time.time() - signalled < 8 and proc.returncode == 75, out[-3000:]
+    assert re.search(r"rank 0 \(pid \d+, train\) did not commit its emergency checkpoint in time: its stacks", out), out
+    assert "most recent call first" in out and "in train_step" in out, out[-3000:]  # faulthandler's, mid-step
+    assert "no emergency checkpoint of step 7 was committed" in read_events(tmp_path)[-1]["outcome"]
+
+
 def test_crash_loop_stops_early_with_its_own_exit_code_and_names_the_cause(cache_dir, tmp_path):
     """Every rank raises at step 12 in every attempt, with a message that names an address and a pid (new
     each attempt), and whichever rank the launcher blames: the same failure, so a crash loop (exit 3)
