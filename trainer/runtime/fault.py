@@ -104,7 +104,10 @@ class PreemptionFlag:
     came in, as before. With one rank there is nothing to agree on: it stops at the next boundary."""
 
     def __init__(self) -> None:
-        self._set = threading.Event()
+        # A plain attribute: the handler takes no lock. SIGTERM comes several times at once (Slurm signals every
+        # process, the stub relays it, the launcher forwards it), and a handler entered again on the same
+        # thread while it set a threading.Event waited forever for the Event's own lock: the rank hung.
+        self._got = False
         self._previous = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None  # the all-reduce of the previous check
         self._every = 0  # agreed steps between checks; 0 = block at every step (until the ranks agree)
@@ -115,12 +118,12 @@ class PreemptionFlag:
             self._previous = signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
-        self._set.set()
+        self._got = True
 
     @property
     def received(self) -> bool:
         """Whether this rank itself got SIGTERM (the others learn it through `agreed`)."""
-        return self._set.is_set()
+        return self._got
 
     def restart_agreement(self) -> None:
         """Start agreeing afresh, as a new rank does (in-process recovery: the all-reduce in flight was on
@@ -142,7 +145,7 @@ class PreemptionFlag:
         at the same step once any rank got SIGTERM. `last`: the run's final step, which stops anyway; the
         agreement in flight is completed and no new one started (no collective is left pending)."""
         if world == 1:
-            return self._set.is_set() and not last
+            return self._got and not last
         if last:
             if self._pending is not None:
                 self._read()
@@ -156,7 +159,7 @@ class PreemptionFlag:
         if self._pending is not None and self._read():
             return True
         proposal = steps_between_checks(self._step_s) if self._step_s else 1
-        flag = torch.tensor([int(self._set.is_set()), -proposal], device=device)
+        flag = torch.tensor([int(self._got), -proposal], device=device)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         if self._every == 0 and self._read():  # blocking: agree on this very step
             return True
