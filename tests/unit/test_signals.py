@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers import REPO, child_env
 
 CHILD = """
@@ -24,6 +26,7 @@ print("alive", flag.received, flush=True)
 """
 
 
+@pytest.mark.slow  # a child process that imports torch, and a second of signals
 def test_a_burst_of_sigterms_sets_the_preemption_flag_without_deadlocking():
     """A process with a PreemptionFlag gets SIGTERM as fast as another can send it, for a second: it must
     still answer afterwards (within a bound) with the flag set. Before the fix it hung in most runs."""
