@@ -36,6 +36,7 @@ from trainer.contract import (
     arrived_ranks,
     coordination_store,
     failure_handled,
+    is_alive,
     publish_smaller_world,
 )
 
@@ -251,7 +252,9 @@ class InProcessRecovery:
 
 def print_stacks(beats: dict[int, dict], why: str) -> None:
     """Have these ranks print their stacks (SIGUSR1: trainer.runtime.fault.stacks_on_sigusr1) before they
-    are killed: where the ones a recovery waited for in vain, or a preemption's grace period, were stuck."""
+    are killed: where the ones a recovery waited for in vain, or a preemption's grace period, were stuck. Ranks
+    that have exited (a rank that committed, say) are left out."""
+    beats = {rank: beat for rank, beat in beats.items() if is_alive(beat["pid"])}
     for rank, beat in sorted(beats.items()):
         log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) {why}: its stacks")
         with contextlib.suppress(OSError):
