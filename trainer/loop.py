@@ -105,13 +105,6 @@ def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult,
     state.step, state.tokens_seen = step, state.tokens_seen + run.tokens_per_step
     run.checkpointer.poll()  # completes (or fails loudly) a background save once every rank has written it
     progress.busy_s += time.perf_counter() - step_start
-    if step == progress.start_step + 1:  # start-up is over: hangs from here on should fail fast
-        parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info)
-        # The heap has its steady size now: back it with 2 MiB pages. Not after a restart, nor in a rank
-        # that replaces a failed one: the collapse (on the training thread, in proportion to the heap; a
-        # forked rank's heap is its fork server's, copied as it goes) would add to every recovery (0.3 s).
-        if cfg.dist.tune_malloc and info.device.type == "cpu" and protocol.first_start():
-            host.huge_pages_for_heap()
     meters.window.add(float(result.loss), data_wait)
     meters.metrics.step(step)
 
@@ -139,11 +132,27 @@ def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult,
     # The step is reported done (the launcher counts lost steps from it) once its snapshot is under way:
     # a failure in the bookkeeping before it would otherwise redo a step that had been reported.
     run.heartbeat.beat("train", step=step, busy_s=progress.busy_s, steps_run=step - progress.start_step)
+    synced = run.preemption.blocking and not final  # then agreed() waits for every rank
     if run.preemption.agreed(step, info.world, info.device, last=final):
         emergency_checkpoint(run, meters, progress, saved)
+    if step == progress.start_step + 1:
+        start_up_over(run, synced)
     trace = meters.profiler.after_step(step)
     if trace is not None:
         log.info("profiler trace of steps %s -> %s", cfg.profile.steps, trace)
+
+
+def start_up_over(run: Run, synced: bool) -> None:
+    """After the first step of this process or of an in-process recovery: hangs from here on should fail
+    fast. `synced`: every rank has just finished this step (the blocking preemption agreement), so no rank
+    is still in its first step under the long timeout, and no barrier is needed to know it."""
+    cfg, info = run.cfg, run.info
+    parallel.set_collective_timeout(cfg.fault.collective_timeout_s, info, barrier=not synced)
+    # The heap has its steady size now: back it with 2 MiB pages. Not after a restart, nor in a rank
+    # that replaces a failed one: the collapse (on the training thread, in proportion to the heap; a
+    # forked rank's heap is its fork server's, copied as it goes) would add to every recovery (0.3 s).
+    if cfg.dist.tune_malloc and info.device.type == "cpu" and protocol.first_start():
+        host.huge_pages_for_heap()
 
 
 def measure_memory_tier(run: Run, meters: Meters, step_s: float) -> None:

@@ -14,6 +14,7 @@ import torch
 from data.stream import BatchWithPositions
 from trainer.config import Config
 from trainer.distributed import parallel
+from trainer.distributed.grad_norm import clip_grad_norm
 from trainer.observability.metrics import StepTimer
 
 log = logging.getLogger("rekindle.step")
@@ -59,9 +60,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
         loss.backward()
         step_loss += loss.detach()
     timer.mark()  # forward + backward done
-    # foreach=True: FSDP2's DTensor gradients would otherwise be clipped one parameter at a time
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"), foreach=True)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    grad_norm = clip_grad_norm(model.parameters(), cfg.train.grad_clip or float("inf"))
     finite = math.isfinite(grad_norm)  # the norm is global: every rank takes the same branch
     if finite:
         optimizer.step()

@@ -352,12 +352,14 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def set_collective_timeout(seconds: float, info: DistInfo) -> None:
+def set_collective_timeout(seconds: float, info: DistInfo, barrier: bool = True) -> None:
     """Shorten the default group's collective timeout once start-up (slow, uneven) is over.
 
-    A barrier first, so no rank runs a collective under the short timeout while another is still
-    in its first step under the long one (torchtitan does the same after its first step)."""
+    A barrier first (unless the caller has just synchronized the ranks), so no rank runs a collective
+    under the short timeout while another is still in its first step under the long one (torchtitan
+    does the same after its first step)."""
     if info.world == 1 or seconds <= 0:
         return
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
