@@ -108,6 +108,25 @@ def test_torchrun_smoke_config_end_to_end(cache_dir, tmp_path):
     assert max(metrics) == 40 and all(r["loss"] > 0 for r in metrics.values())
 
 
+def test_collectives_wait_dist_timeout_in_the_first_step_and_fault_collective_timeout_after_it(cache_dir, tmp_path):
+    """Start-up is slow and uneven, so the first step's collectives wait dist.timeout_s; from the second step
+    on they wait fault.collective_timeout_s (trainer.loop.start_up_over), so that a rank stuck mid-step fails
+    its peers within seconds, under plain torchrun too. Rank 1 stalls 4 s in step 1, then (another run) in
+    step 2, with a collective timeout of 2 s."""
+    opts = ["log.progress=false", "train.steps=3", "train.eval_every=0", "checkpoint.every=0",
+            "checkpoint.memory_every=0", "dist.timeout_s=60", "fault.collective_timeout_s=2"]
+
+    def run(name: str, slow: str) -> subprocess.CompletedProcess:
+        return subprocess.run(trainer_cmd(2, SMOKE, [f"run.dir={tmp_path / name}", *opts]), cwd=REPO,
+                              env=child_env(REKINDLE_SLOW_RANK=slow), capture_output=True, text=True, timeout=120)
+
+    first = run("first", "1:4@1-1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert max(read_metrics(tmp_path / "first")) == 3
+    later = run("later", "1:4@2-2")
+    assert later.returncode != 0 and "Timed out waiting 2000ms" in later.stderr, later.stderr[-3000:]
+
+
 def test_non_finite_steps_are_skipped_then_abort_with_clear_error(cache_dir, tmp_path):
     """An absurd learning rate blows the weights up after one step: every later gradient is NaN."""
     proc = run_trainer(tmp_path, ["train.lr=1e30", "train.min_lr=0", "train.grad_clip=0", "train.warmup_steps=0",
