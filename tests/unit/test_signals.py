@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import REPO, child_env
 
 CHILD = """
-import sys, time
+import sys
 from trainer.runtime.fault import PreemptionFlag
 flag = PreemptionFlag()
 print("ready", flush=True)
