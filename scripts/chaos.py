@@ -12,7 +12,8 @@ one lost). The reference run is one launcher with the same world size. At the en
 per-step losses and final parameters compared bit for bit with the reference run (CPU, same world
 size), each recovery split into detection (kill -> failure noticed), restart (kill the group,
 rendezvous, spawn, import, build), checkpoint load and first step, the tier the state came from
-(memory-local, memory-peer, memory-reshard, durable) and the lost steps, and the run's goodput."""
+(memory-local, memory-peer, memory-reshard, durable) and the lost steps, and the run's goodput, with
+what it would be at exactly one fault a minute (the goal's rate) given what a fault cost here."""
 
 from __future__ import annotations
 
@@ -295,6 +296,19 @@ def print_goals(rows: list[dict], run_dir: Path, events: list[dict], kills: int)
               f"({kills / max(wall_min, 1e-9):.2f} failures/min; goal >= 98% at 1/min)")
 
 
+def print_at_one_a_minute(events: list[dict], kills: int, ref_done: dict) -> None:
+    """The goal's rate is one fault a minute, and a run's random intervals rarely give exactly that. What a
+    fault cost here on average (the goodput below the undisturbed run's, in seconds of this run's wall),
+    projected onto one fault a minute on top of the undisturbed run's goodput."""
+    done = max((e for e in events if e["event"] == "done"), key=lambda e: e["wall_s"], default={})
+    if not (done and kills and ref_done.get("goodput")):
+        return
+    per_fault = max(ref_done["goodput"] - done["goodput"], 0.0) * done["wall_s"] / kills
+    print(f"at one fault a minute: a fault cost {per_fault:.2f}s on average here (this run's mix), "
+          f"{100 * per_fault / 60:.1f}% of each minute; on top of the undisturbed "
+          f"{100 * ref_done['goodput']:.1f}%, about {100 * (ref_done['goodput'] - per_fault / 60):.1f}% goodput")
+
+
 def same_as_reference(args: argparse.Namespace, reference: Path, run_dir: Path) -> bool:
     """Per-step losses and final parameters of the chaos run bit-identical to the reference run's."""
     ref_losses, losses = metrics(reference), metrics(run_dir)
@@ -334,6 +348,7 @@ def main() -> int:
     rows = recoveries(kills, events)
     print_recoveries(rows)
     print_goals(rows, run_dir, events, len(kills))
+    print_at_one_a_minute(events, len(kills), ref_done)
     same = same_as_reference(args, out / "reference", run_dir)
     return 0 if code == 0 and same else 1
 
