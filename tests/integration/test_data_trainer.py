@@ -13,9 +13,11 @@ from pathlib import Path
 
 from tests.helpers import REPO, SMOKE, child_env, read_metrics, run_trainer, trainer_cmd
 
-# 30 steps: the kill lands a step or two after step 5 (polled every 20 ms), 25 steps before the end
+# 30 steps: the kill lands a step or two after step 5 (polled every 20 ms), 25 steps before the end.
+# The durable tier alone: the memory tier (on by default where /dev/shm is in memory) would resume from a
+# snapshot of the step or two after 5, and which one depends on when the kill lands.
 OVERRIDES = ["train.steps=30", "train.log_every=1", "train.eval_every=0", "checkpoint.every=5",
-             "log.progress=false"]
+             "checkpoint.memory_every=0", "log.progress=false"]
 
 
 def children(pid: int) -> list[int]:
