@@ -7,6 +7,7 @@ committing its emergency checkpoint (seen in the Slurm test, then reproduced her
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def test_a_burst_of_sigterms_sets_the_preemption_flag_without_deadlocking():
     child = subprocess.Popen([sys.executable, "-c", CHILD], cwd=REPO, env=child_env(), stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert child.stdout.readline().strip() == "ready"
+        ready, _, _ = select.select([child.stdout], [], [], 60)  # importing torch: bounded too
+        assert ready and child.stdout.readline().strip() == "ready", "the child did not start within 60 s"
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             for _ in range(100):
