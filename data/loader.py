@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from common.process import die_with_parent
+from common.storage import is_local, protocols
 from data.stream import BatchWithPositions, TokenStream
-from trainer.runtime.process import die_with_parent
-from trainer.storage import is_local, protocols
 
 START_METHODS = ("fork", "forkserver", "spawn")
 MESSAGE_TOKENS = 1 << 16  # a worker sends batches in groups of at least this many tokens (up to 16 batches)

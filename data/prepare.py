@@ -34,6 +34,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from common.exits import EXIT_USAGE
+from common.storage import filesystem, storage_error
 from data import tokenizer as tokenizers_
 from data.readers import (  # BadInput, InputError, expand_inputs, read_documents: also this module's API
     BadInput,
@@ -45,8 +47,6 @@ from data.readers import (  # BadInput, InputError, expand_inputs, read_document
     require_pyarrow,
 )
 from data.shards import FORMAT_VERSION, MANIFEST, Manifest, ShardError, ShardSet, ShardWriter
-from trainer.runtime.protocol import EXIT_USAGE
-from trainer.storage import filesystem, storage_error
 
 # --- parallel tokenization: P single-threaded tokenizers (P processes, or this one when P = 1); chunks
 # of about CHUNK_CHARS characters (not a number of documents, which may be few and very unequal) keep

@@ -26,7 +26,7 @@ from typing import Any
 
 import fsspec
 
-from trainer.storage import filesystem
+from common.storage import filesystem
 
 MAX_SKIPPED_LISTED = 100  # the manifest lists this many skipped items; `skipped_bad` counts them all
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", ".parquet")  # what a directory is searched for

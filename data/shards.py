@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from common.storage import filesystem, is_local, join, unreachable_as, write_file
 from data.tokenizer import EOS
-from trainer.storage import filesystem, is_local, join, unreachable_as, write_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -2,7 +2,10 @@
 
     __main__     the command line; options: what it asked for (LaunchOptions)
     supervisor   one node's launcher: composes the parts below
-    nodes        its multi-node part: the endpoint list, and verdicts on silent nodes (liveness: the counters)
+    recovery/    every recovery decision on a node: the coordinator (a state machine), its events, the store
+    actions      how the supervisor carries out the coordinator's actions (the only place they touch the world)
+    nodes        membership (composed into the supervisor): the endpoint list, spares, silent nodes
+    liveness     whether the launchers of a job still hear each other: counters on the rendezvous store
     outcome      the exit code and its one line; commits: what the checkpoint store says was committed
     agent        torchrun's LocalElasticAgent with the supervisor's hooks (the only file touching its internals)
     rendezvous   the c10d rendezvous (loopback-only store on one node; an ordered endpoint list to move down

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import signal
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,11 +33,11 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
+from common.clock import wait_until
+from common.process import send_signal
+from common.timing import EXIT_BARRIER_S, SURVIVOR_GRACE_S
 from launch.failures import RankExit
 from trainer.contract import ROUND_ENV, check_elastic_agent, is_alive
-
-EXIT_BARRIER_S = 60  # torchelastic's: the nodes of a finished group wait for each other before exiting
-SURVIVOR_GRACE_S = 5  # the most a failed group's survivors get to exit before SIGKILL (torchrun: 30)
 
 
 class _QuietThreadWarning(logging.Filter):
@@ -141,20 +140,18 @@ class SupervisedAgent(LocalElasticAgent):
     def terminate(self, pids: Iterable[int]) -> None:
         """SIGTERM these ranks (not their children): each finishes its step, commits and exits 75."""
         for pid in pids:
-            _send(pid, signal.SIGTERM, group=False)
+            send_signal(pid, signal.SIGTERM, group=False)
 
     def kill(self) -> None:
         """SIGKILL every rank's process group (the rank and its loader workers)."""
         for pid in self.worker_pids().values():
-            _send(pid, signal.SIGKILL, group=True)
+            send_signal(pid, signal.SIGKILL, group=True)
 
     def drain(self, grace_s: float) -> None:
         """SIGTERM every rank and wait up to `grace_s` for them to exit (a second signal ends the wait)."""
         pids = list(self.worker_pids().values())
         self.terminate(pids)
-        deadline = time.time() + grace_s
-        while any(is_alive(pid) for pid in pids) and time.time() < deadline and not self.hooks.hard_stop():
-            time.sleep(0.1)
+        wait_until(lambda: not any(is_alive(pid) for pid in pids) or self.hooks.hard_stop(), grace_s, 0.1)
 
     def global_ranks(self) -> dict[int, int]:
         """Local rank -> global rank of the current group."""
@@ -279,11 +276,8 @@ class SupervisedAgent(LocalElasticAgent):
             super()._exit_barrier()
 
     def _back_off(self, delay_s: float) -> None:
-        deadline = time.time() + delay_s
-        while time.time() < deadline:
-            if self.hooks.signalled():
-                raise Stopping("signalled during the backoff")
-            time.sleep(min(0.1, max(deadline - time.time(), 0.0)))
+        if wait_until(self.hooks.signalled, delay_s, 0.1):
+            raise Stopping("signalled during the backoff")
 
     def _monitor_workers(self, worker_group) -> RunResult:
         self._replace_failed(worker_group)
@@ -381,12 +375,3 @@ def _rank_exit(rank: int, pf) -> RankExit:
         when, error = float(pf.timestamp), None
     return RankExit(rank, pf.local_rank, pf.exitcode, when, error)
 
-
-def _send(pid: int, sig: signal.Signals, group: bool) -> None:
-    try:
-        if group:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

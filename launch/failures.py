@@ -13,14 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.errors import says_collective_failed, says_peer_lost
 from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE
 
 if TYPE_CHECKING:
     from launch.watchdog import Hang
-
-# A rank that lost a peer fails too, with one of these: it is a victim, not the root cause.
-PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
-               "Timed out", "timed out", "NCCL", "gloo", "ProcessGroup")
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,7 @@ def traceback_tail(error: dict[str, Any] | None, lines: int = 6) -> str:
 
 # A frame of a Python traceback: `  File "/.../trainer/checkpoint/memory.py", line 120, in local_tensors`.
 FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)', re.MULTILINE)
-PROJECT_PACKAGES = ("trainer", "data", "launch")
+PROJECT_PACKAGES = ("trainer", "data", "launch", "common")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # where those packages are, here as in the ranks
 INNERMOST_FRAMES = 2  # of this project's code, to tell where an exception was raised
 
@@ -121,8 +118,10 @@ def _callstack(error: dict[str, Any] | None) -> str:
 
 
 def lost_peer(message: str) -> bool:
-    """Whether an exception says that a peer went away (a victim's error, not a root cause)."""
-    return any(pattern in message for pattern in PEER_ERRORS)
+    """Whether an exception (its text) is a victim's error, not a root cause: a lost peer (the trainer's own
+    test, common.errors), or a collective library's failure such as a timeout (a peer that stopped
+    answering: it failed first, or hangs)."""
+    return says_peer_lost(message) or says_collective_failed(message)
 
 
 def blame_order(failed: RankExit) -> tuple:

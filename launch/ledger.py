@@ -42,6 +42,7 @@ class Ledger:
     failures: list[dict] = field(default_factory=list)
     resumes: list[dict] = field(default_factory=list)
     previous_last_step: int | None = None  # the step a launcher lost before this one had reached
+    interrupted: tuple[float, str] | None = None  # (when, why) the running group was stopped: the next attempt's
 
     def event(self, name: str, **fields: Any) -> dict:
         return append_event(self.run_dir, name, node=self.node, **fields)

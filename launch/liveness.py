@@ -25,9 +25,8 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-INTERVAL_S = 0.5  # how often each launcher counts up (and reads the others)
-LOST_S = 5.0  # silence after which a launcher, or the store, is lost
-CONFIRM_S = 1.0  # the store's silence must be seen for this long (not merely found on waking from a pause)
+from common.timing import CONFIRM_S, INTERVAL_S, LOST_S
+
 KEY = "rekindle/alive/{node}"
 MEMBER_KEY = "rekindle/members/{group}/{rank}"  # group: the worker group's rendezvous round (SupervisedAgent.round)
 
@@ -45,7 +44,7 @@ class Liveness:
     group, ask `cut_off` and `silent`, `stop` at the end."""
 
     def __init__(self, where: str, node: str, interval_s: float = INTERVAL_S, lost_s: float = LOST_S) -> None:
-        self.where, self.node, self.interval_s, self.lost_s = where, node, interval_s, lost_s
+        self.node, self.interval_s, self.lost_s = node, interval_s, lost_s
         self._lock = threading.Lock()
         self._group: tuple[str, int, int] | None = None  # (group id, this node's rank, group size)
         self._members: dict[int, str] = {}  # group rank -> node, as they appear
@@ -54,7 +53,7 @@ class Liveness:
         self._quiet_seen: float | None = None  # when cut_off() first found the store quiet for lost_s
         self._last_asked = 0.0  # cut_off()'s last call
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(where,), name="liveness", daemon=True)
 
     def start(self) -> Liveness:
         self._thread.start()
@@ -104,8 +103,8 @@ class Liveness:
         return wall - (now - max(heard)) if heard else wall
 
     # ------------------------------------------------------------------ the thread
-    def _run(self) -> None:
-        host, _, port = self.where.rpartition(":")
+    def _run(self, where: str) -> None:
+        host, _, port = where.rpartition(":")
         try:
             store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.interval_s * 4))
         except Exception:  # noqa: BLE001 - unreachable from the start: cut_off() says so in time

@@ -25,6 +25,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from common import net
+from common.errors import exception_chain
+from common.timing import PROBE_S
 from launch.zygote import STUB_PATH
 from trainer.contract import COORD_STORE_ENV, is_loopback, tcp_store_server
 
@@ -56,17 +59,10 @@ def endpoints(value: str) -> list[str]:
     return [e.strip() for e in value.split(",") if e.strip()]
 
 
-PROBE_S = 0.3  # how long a starting launcher waits for each later endpoint to answer
-
-
 def listening(endpoint: str, timeout_s: float) -> bool:
-    """Whether something accepts connections at `endpoint` within `timeout_s` (a store hosted there)."""
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError:  # refused, unreachable or silent: nobody hosts it
-        return False
-    return True
+    """Whether something accepts connections at rendezvous `endpoint` (HOST[:PORT]) within `timeout_s`
+    (a store hosted there): common.net.listening."""
+    return net.listening(*parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT), timeout_s)
 
 
 def first_answering(listed: list[str], timeout_s: float = PROBE_S) -> int:
@@ -90,7 +86,7 @@ def worker_spec(opts: LaunchOptions, run_name: str, run_dir: str, max_restarts: 
         backend="c10d", endpoint=endpoint, run_id=opts.rdzv_id or run_id(run_name, run_dir, standalone),
         min_nodes=opts.min_nodes, max_nodes=opts.max_nodes, local_addr=local_addr,
         **settings(opts.min_nodes, opts.max_nodes, opts.rdzv_conf))
-    # A restarted group must not reuse the agent's store: stale gloo addresses (FIELD-NOTES).
+    # A restarted group must not reuse the agent's store: its ranks would find the old group's stale gloo addresses.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # -S: the stub needs the standard library only (no site packages to scan: a few hundredths of a second).
     command = ("-S", STUB_PATH) if warm else ("-u", "-m", "trainer")
@@ -106,13 +102,7 @@ def store_lost(error: BaseException) -> bool:
     endpoint is gone, and this node cannot go on without it."""
     from torch.distributed import DistNetworkError
 
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (RendezvousConnectionError, DistNetworkError)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(isinstance(link, (RendezvousConnectionError, DistNetworkError)) for link in exception_chain(error))
 
 
 def handler(params: RendezvousParameters) -> tuple[RendezvousHandler, bool]:

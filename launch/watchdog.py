@@ -6,14 +6,19 @@ stopped (SIGSTOP, state T), spinning (busy CPU), or waiting (asleep in a collect
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
+import signal
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.contract import is_alive, proc_stat, read_heartbeats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,3 +136,15 @@ def abandoned_progress(run_dir: str | Path) -> dict | None:
                 furthest = beat
         shutil.rmtree(directory, ignore_errors=True)
     return furthest
+
+
+def print_stacks(beats: dict[int, dict], why: str) -> None:
+    """Have these ranks print their stacks (SIGUSR1: trainer.runtime.fault.stacks_on_sigusr1) before they
+    are killed: where the ones a recovery waited for in vain, or a preemption's grace period, were stuck. Ranks
+    that have exited (a rank that committed, say) are left out."""
+    beats = {rank: beat for rank, beat in beats.items() if is_alive(beat["pid"])}
+    for rank, beat in sorted(beats.items()):
+        log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) {why}: its stacks")
+        with contextlib.suppress(OSError):
+            os.kill(beat["pid"], signal.SIGUSR1)
+    time.sleep(0.5 if beats else 0.0)

@@ -34,19 +34,20 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.clock import wait_until
+from common.process import send_signal
 from launch import stub
 from trainer.contract import die_with_parent, exit_now, scratch_prefix, sweep_scratch, temp_name
 
-# What the trainer imports on its way to the first step (trainer.__main__ imports most of it lazily),
-# measured from a 2-rank run: nothing more is imported after the fork.
+# What the trainer imports on its way to the first step (trainer.__main__ imports most of it lazily), as a
+# 2-rank run shows it: nothing more is imported after the fork.
 PRELOAD = ("trainer.__main__", "trainer.config", "trainer.observability.wandb_log", "trainer.loop",
            "trainer.checkpoint", "trainer.checkpoint.memory", "trainer.runtime.fault", "trainer.runtime.lease",
-           "trainer.step", "trainer.storage",
+           "trainer.step", "common.storage",
            "data.shards", "data.stream", "data.loader", "data.corpus",
            "torch.distributed.elastic.multiprocessing.errors", "torch.profiler", "torch.utils.serialization",
            "fsspec.implementations.local", "numpy.ma")
@@ -96,9 +97,7 @@ class Zygote:
 
     def wait_bound(self, timeout_s: float = 10.0) -> bool:
         """Wait (bounded) until the server listens, so that the first stubs find it."""
-        deadline = time.time() + timeout_s
-        while not os.path.exists(self.socket) and self.alive() and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: os.path.exists(self.socket) or not self.alive(), timeout_s)
         return os.path.exists(self.socket)
 
     def close(self) -> None:
@@ -283,10 +282,10 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 def kill_group(pid: int) -> None:
-    """SIGKILL a trainer and its process group (its loader workers)."""
-    for send in (os.killpg, os.kill):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            send(pid, signal.SIGKILL)
+    """SIGKILL a trainer's process group (its loader workers), and the trainer itself should it have left
+    that group."""
+    send_signal(pid, signal.SIGKILL, group=True)
+    send_signal(pid, signal.SIGKILL, group=False)
 
 
 def become_trainer(request: dict, fds: list[int], inherited: list[int], server: int) -> None:

@@ -38,9 +38,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import bench_step  # a sibling script: scripts/ is sys.path[0] when run as `python scripts/bench.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fixtures is not installed
+
+import bench_step  # a sibling script: scripts/ is on sys.path when run as `python scripts/bench.py`
 import torch
 
+from tests.fixtures import free_port
 from trainer import config as config_
 from trainer.checkpoint import memory as memory_tier
 from trainer.model.transformer import Transformer
@@ -52,7 +55,6 @@ from trainer.observability.metrics import (
     nominal_gpu_peak,
 )
 from trainer.runtime import host
-from trainer.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,15 +25,20 @@ import argparse
 import io
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fixtures is not installed
 
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from tests.fixtures import start_s3
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import CheckpointConfig
 from trainer.distributed.parallel import DistInfo
@@ -41,7 +46,6 @@ from trainer.distributed.torch_compat import FsspecReader as fsspec_reader
 from trainer.distributed.torch_compat import FsspecWriter
 from trainer.model.transformer import ModelArgs, Transformer
 from trainer.observability import logs
-from trainer.testing import start_s3
 
 SOLO = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 

@@ -27,11 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fixtures is not installed
+
 from data import tokenizer as tokenizers_
 from data.corpus import read_source, source_files
 from data.prepare import chunks, prepare
 from data.shards import ShardSet
-from trainer.testing import start_s3
+from tests.fixtures import start_s3
 
 
 def upload(local: Path, url: str) -> str:

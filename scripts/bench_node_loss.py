@@ -36,8 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fixtures is not installed
+
+from tests.fixtures import free_port, freeze_tree, kill_tree, rendezvous_host
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import free_port, freeze_tree, kill_tree, rendezvous_host
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"],

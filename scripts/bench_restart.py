@@ -6,7 +6,7 @@
 The modes: `cold` restarts every rank as a new Python process (`fault.warm_restarts=false`,
 `fault.in_process=false`); `warm` restarts every rank forked from the launcher's fork server
 (launch.zygote, `fault.in_process=false`); `inproc` replaces only the killed rank, forked warm, while the
-others keep their processes and re-form their groups (`fault.in_process=true`, trainer.recover). Each
+others keep their processes and re-form their groups (`fault.in_process=true`, trainer.recovery.inplace). Each
 round runs every mode once per rank count, the order alternating from round to round, with the memory
 tier on (`checkpoint.memory_every=1`). In each run one rank (rank 1, 2, ... in turn) is SIGKILLed
 `--kills` times, each time once every rank has trained a few steps since the last recovery. For each

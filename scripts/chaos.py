@@ -28,10 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fixtures is not installed
+
 from launch.ledger import recovery_after
+from tests.fixtures import free_port, kill_tree, wait_for_rendezvous_host
 from trainer.observability import logs
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import free_port, kill_tree, wait_for_rendezvous_host
 
 REPO = Path(__file__).resolve().parents[1]
 

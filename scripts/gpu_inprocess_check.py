@@ -19,10 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fixtures is not installed
+
 import torch
 
+from tests.fixtures import kill_tree
 from trainer.runtime.protocol import read_events, read_heartbeats
-from trainer.testing import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,9 @@
 """Shared fixtures: a per-session cache for the built-in corpus (shared with child processes), the
 loopback S3 server and a fresh bucket on it, the data tests' small dataset, and the losses of a
 plain in-process run. Helpers that are not fixtures are in tests/helpers.py (imported by the
-fixtures that need them, so that collecting a test does not import torch through this file).
+fixtures that need them, so that collecting a test does not import torch through this file); the
+loopback S3 server itself, the TCP proxy and process-tree kills are in tests/fixtures.py (also used by
+scripts/).
 
 Every test under tests/integration/ is marked `slow` here (the quick tier, `-m "not slow"`, is
 tests/unit/ less the few unit tests marked slow in place)."""
@@ -21,10 +23,11 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 # The longest test files first (about 20 s and more on a 2-core machine, longest first; the files that
 # compile a model lead, being last in the default order): pytest-xdist hands out whole files in the order
 # collected, so that the workers then end together on short files instead of one waiting for the other.
-LONGEST_FIRST = ("test_perf.py", "test_loss.py", "test_model.py", "test_launch_faults.py", "test_memory_tier.py",
+LONGEST_FIRST = ("test_perf.py", "test_loss.py", "test_model.py", "test_launch_multinode.py", "test_memory_tier.py",
                  "test_checkpoint_faults.py", "test_slurm.py", "test_warm_restarts.py", "test_train.py",
-                 "test_in_process.py", "test_storage_faults.py", "test_data_resume.py", "test_network.py",
-                 "test_data_trainer.py", "test_perf_runs.py", "test_export_runs.py", "test_wandb_run.py")
+                 "test_launch_preemption.py", "test_launch_restarts.py", "test_in_process.py", "test_storage_faults.py",
+                 "test_data_resume.py", "test_network.py", "test_data_trainer.py", "test_perf_runs.py",
+                 "test_export_runs.py", "test_wandb_run.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -73,7 +76,7 @@ def s3_endpoint():
     """A real S3 endpoint: moto's server on 127.0.0.1, reached over HTTP through s3fs exactly as a
     user's bucket would be (endpoint and credentials in the standard AWS environment variables, which
     child processes inherit)."""
-    from trainer.testing import LoopbackS3
+    from tests.fixtures import LoopbackS3
 
     with LoopbackS3() as s3:
         yield s3.endpoint

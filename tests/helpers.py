@@ -1,12 +1,15 @@
-"""Helpers shared by the tests (fixtures are in conftest.py): paths, running the real trainer as
-separate processes (plain python, or torchrun with several gloo ranks) and reading its metrics; a
-child environment whose S3 endpoint is unreachable; small trained models and checkpoint helpers;
-the data tests' documents and dataset."""
+"""Helpers shared by the tests (fixtures are in conftest.py; the loopback S3 server, the TCP proxy and
+process-tree kills in fixtures.py): paths, bounded waits (`wait_for`); running the real trainer as
+separate processes (plain python, or torchrun with several gloo ranks) and reading its metrics; the
+elastic launcher in separate processes (`launch`, `finish`) and waits on its ledger events and its
+ranks' heartbeats; a child environment whose S3 endpoint is unreachable; small trained models and
+checkpoint helpers; the data tests' documents and dataset."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,10 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer import testing
+from tests import fixtures
+from tests.fixtures import free_port
 from trainer.distributed.parallel import DistInfo
 from trainer.model.transformer import ModelArgs, Transformer
-from trainer.testing import free_port
+from trainer.runtime.protocol import read_events, read_heartbeats
 
 if TYPE_CHECKING:
     from data.shards import ShardSet
@@ -87,6 +91,85 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return records
 
 
+# --- the elastic launcher in separate processes (python -m launch) ---------------------------------
+
+# Heartbeats and restarts fast enough for tests; the known MFU peak (KNOWN_PEAK).
+FAST = ["log.progress=false", "train.log_every=1", "train.eval_every=0", "fault.heartbeat_s=0.2",
+        "fault.restart_backoff_s=0.2", KNOWN_PEAK]
+
+
+def launch(run_dir: Path, overrides: list[str] = (), nproc: int = 2, extra_args: list[str] = (),
+           env: dict | None = None) -> subprocess.Popen:
+    """Start `python -m launch` on the smoke config in a session of its own (output: stdout, text)."""
+    cmd = [sys.executable, "-m", "launch", f"--nproc-per-node={nproc}", *extra_args, str(SMOKE),
+           f"run.dir={run_dir}", *FAST, *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 150) -> str:
+    """The launcher's output once it has ended (bounded: SIGKILL to its session, and fail, after `timeout`)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"launcher did not finish within {timeout}s:\n{out[-4000:]}") from None
+    return out
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 90, rank: int = 0, attempt: int | None = None,
+                  phases: tuple[str, ...] = ("train",), poll_s: float = 0.05) -> dict:
+    """The heartbeat record of `rank` once it has finished `step` (bounded wait), in `attempt` if given,
+    in one of `phases` (an eval every step leaves a rank in `train` only briefly)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for directory in run_dir.glob("heartbeats-*"):
+            beat = read_heartbeats(directory).get(rank)
+            if beat and beat["step"] >= step and beat["phase"] in phases and attempt in (None, beat["attempt"]):
+                return beat
+        time.sleep(poll_s)
+    raise AssertionError(f"rank {rank} did not reach step {step} within {timeout}s")
+
+
+def wait_for_event(run_dir: Path, event: str, timeout: float = 60, count: int = 1, where=None,
+                   launchers: list[subprocess.Popen] = ()) -> list[dict]:
+    """The ledger's `event` records (those for which `where(record)` holds, if given) once there are
+    `count` of them (bounded wait); fails at once when one of `launchers` has ended before."""
+    found: list[dict] = []
+
+    def enough() -> bool:
+        ended = [p.pid for p in launchers if p.poll() is not None]
+        assert not ended, f"launcher(s) {ended} ended before {count} {event!r} event(s): {read_events(run_dir)[-3:]}"
+        found[:] = [e for e in read_events(run_dir) if e["event"] == event and (where is None or where(e))]
+        return len(found) >= count
+
+    wait_for(f"{count} {event!r} event(s) in {run_dir}/events.jsonl", enough, timeout, every=0.05)
+    return found
+
+
+def launcher_beats(run_dir: Path, launcher_pid: int) -> list[dict]:
+    """The heartbeat records of the ranks a launcher runs now (its heartbeat directory's)."""
+    return [b for d in run_dir.glob(f"heartbeats-*{launcher_pid}-*") for b in read_heartbeats(d).values()]
+
+
+def node_beat(run_dir: Path, launcher_pid: int) -> dict | None:
+    """The newest heartbeat of the ranks a launcher ran (one at a time here; None before the first)."""
+    return max(launcher_beats(run_dir, launcher_pid), key=lambda b: b["t_proc"], default=None)
+
+
+def wait_for_one_group(run_dir: Path, launchers: list[subprocess.Popen], step: int, timeout: float = 120) -> list[dict]:
+    """The launchers' ranks' newest heartbeats (one rank each) once they all train in one worker group (the
+    same rendezvous round), each past `step`. A launcher slow to start on a busy machine misses the first
+    round's last call and joins the next: waiting for a step alone would not see that."""
+    deadline, beats = time.time() + timeout, []
+    while len(beats) < len(launchers) or len({b["group"] for b in beats}) > 1 or min(b["step"] for b in beats) < step:
+        assert time.time() < deadline and all(p.poll() is None for p in launchers), beats
+        time.sleep(0.05)
+        beats = [b for p in launchers if (b := node_beat(run_dir, p.pid)) is not None]
+    return beats
+
+
 # --- the trainer in this process (the speed-option tests) ----------------------------------------
 
 SHORT = ["train.steps=4", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", "train.warmup_steps=2"]
@@ -109,7 +192,7 @@ SECRET = "s3cr3t-never-printed"  # the secret key in unreachable_env: no output 
 def unreachable_env() -> dict[str, str]:
     """A child environment whose S3 endpoint nobody listens on (a closed loopback port), with dummy
     credentials and no retries, so that a client fails at once."""
-    return testing.unreachable_env(child_env(), secret=SECRET)
+    return fixtures.unreachable_env(child_env(), secret=SECRET)
 
 
 # --- models and checkpoints ------------------------------------------------------------------------
@@ -152,6 +235,16 @@ def assert_params_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert pa.keys() == pb.keys()
     for name in pa:
         assert torch.equal(pa[name], pb[name]), name
+
+
+def load_final(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The newest committed checkpoint's model parameters (and its step), loaded on one process (resharded)."""
+    from trainer.checkpoint import Checkpointer
+
+    model, opt = smoke_model()
+    ckpt = Checkpointer(str(run_dir / "checkpoints"), SOLO)
+    state = ckpt.load(ckpt.discover_latest(), model, opt)
+    return {"step": state.step, **{k: v.clone() for k, v in model.state_dict().items()}}
 
 
 def corrupted(data: bytes, how: str) -> bytes:
@@ -223,7 +316,7 @@ def blank(sd: dict) -> dict:
 def check_raw_format_round_trip_is_bit_exact(path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from trainer import storage
+    from common import storage
     from trainer.checkpoint.format import RAW_FORMAT, load_metadata, load_state
     from trainer.checkpoint.writing import writer
 

@@ -14,9 +14,9 @@ torchrun or `python -m launch`. Grouped by job; each package's own docstring is 
     distributed/    process groups, FSDP2, mixed precision, compile, activation checkpointing
     checkpoint/     sharded checkpoints (format, commit, checkpointer) and the memory tier
     observability/  metrics, MFU, progress, TensorBoard / W&B, stragglers, profiling, cost, logging
-    runtime/        the contract with the launcher (protocol), preemption and faults, leases, processes
-    storage         fsspec access shared with data/: whole-file writes, checksums, unreachable storage
+    runtime/        the contract with the launcher (protocol), preemption and faults, leases, scratch dirs
+    recovery/       in-process recovery: leave the failed generation, re-form the groups, restore, go on
     contract        all that launch/ imports from the trainer
     export, plot    commands: `python -m trainer.export` (safetensors, Hugging Face), `python -m trainer.plot`
-    testing         a loopback S3 server, a pausable TCP proxy, process-tree kills: for tests and benchmarks
+What data/ and launch/ share with the trainer (storage, processes, exit codes, timings) is in common/.
 """

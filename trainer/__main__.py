@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return protocol.EXIT_USAGE
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+    from common.storage import caused_by_storage
     from data.shards import CorruptShardError, NotADatasetError, ShardError
     from data.stream import DataStateError
     from trainer.checkpoint import CheckpointError, IncompatibleCheckpointError
@@ -39,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.runtime.fault import Preempted
     from trainer.runtime.lease import DirectoryInUse
     from trainer.step import NonFiniteError
-    from trainer.storage import caused_by_storage
 
     try:
         record(train)(cfg)  # an unexpected exception lands in torchelastic's error file for the launcher
@@ -65,6 +65,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trainer.runtime.process import exit_now
+    from common.process import exit_now
 
     exit_now(main())

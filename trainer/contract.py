@@ -1,10 +1,12 @@
 """Everything the launcher (launch/) uses of the trainer, and nothing else: the one module launch/
 imports from trainer/ (a unit test holds it to that). What crosses:
 
-  exit codes, env names, heartbeats, events   trainer.runtime.protocol: how a rank and its launcher talk
-  process helpers                             trainer.runtime.process: liveness, dying with a parent
+  exit codes                                  common.exits (trainer.runtime.protocol re-exports them too)
+  env names, heartbeats, events               trainer.runtime.protocol: how a rank and its launcher talk
+  process helpers                             common.process: liveness, dying with a parent
   scratch directories                         trainer.runtime.scratch: per-process temp dirs, dead owners' swept
-  atomic writes                               trainer.storage: temp names, a file that appears whole
+  atomic writes                               common.storage: temp names, a file that appears whole
+  recovery's keys, next_generation            trainer.recovery.keys: the coordination store's keys (torch-free)
   the job id's env name                       trainer.runtime.lease: the launcher names the job its ranks lease under
   config                                      trainer.config: the launcher refuses a bad config before any rank starts
   cost, logs                                  one cost arithmetic and one `[launch]` / `[rekindle]` log format
@@ -13,7 +15,7 @@ imports from trainer/ (a unit test holds it to that). What crosses:
     check_elastic_agent                       trainer.distributed.torch_compat: torchelastic's internals, checked
     committed_steps, read_commit, step_dir    trainer.checkpoint.commit: the step a preempted job resumes from
     trainer_main                              the trainer.__main__ module: what the fork server runs in a forked rank
-    coordination_store, arrived_ranks,        trainer.distributed.regroup: the in-process recovery's keys, where the
+    coordination_store, arrived_ranks,        trainer.recovery.regroup: the in-process recovery's store, where the
     publish_smaller_world, announce_failure,  launcher sends the survivors of a lost node on in a smaller world,
     failure_handled                           tells the ranks that one of them died, and hears that another
                                               launcher handles its own ranks' failure (its node lives)
@@ -24,19 +26,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from common.exits import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
+from common.process import die_with_parent, exit_now, is_alive, proc_stat
+from common.storage import atomic_file, temp_name
 from trainer.config import Config, ConfigError, load, validate
 from trainer.observability import logs
 from trainer.observability.cost import cost_report, format_cost
+from trainer.recovery.keys import arrived_key, failed_key, handled_key, next_generation, store_prefix, world_key
 from trainer.runtime.lease import JOB_ENV
-from trainer.runtime.process import die_with_parent, exit_now, is_alive, proc_stat
 from trainer.runtime.protocol import (
     COORD_STORE_ENV,
-    EXIT_CRASH_LOOP,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_PREEMPTED,
-    EXIT_STORAGE,
-    EXIT_USAGE,
     GENERATION_ENV,
     HEARTBEAT_DIR_ENV,
     LAUNCHER_PID_ENV,
@@ -45,7 +44,6 @@ from trainer.runtime.protocol import (
     read_heartbeats,
 )
 from trainer.runtime.scratch import scratch_prefix, sweep_scratch
-from trainer.storage import atomic_file, temp_name
 
 _LAZY = {
     "tcp_store_server": ("trainer.distributed.parallel", "tcp_store_server"),
@@ -55,11 +53,11 @@ _LAZY = {
     "read_commit": ("trainer.checkpoint.commit", "read_commit"),
     "step_dir": ("trainer.checkpoint.commit", "step_dir"),
     "trainer_main": ("trainer.__main__", None),
-    "coordination_store": ("trainer.distributed.regroup", "coordination_store"),
-    "arrived_ranks": ("trainer.distributed.regroup", "arrived_ranks"),
-    "announce_failure": ("trainer.distributed.regroup", "announce_failure"),
-    "failure_handled": ("trainer.distributed.regroup", "failure_handled"),
-    "publish_smaller_world": ("trainer.distributed.regroup", "publish_smaller_world"),
+    "coordination_store": ("trainer.recovery.regroup", "coordination_store"),
+    "arrived_ranks": ("trainer.recovery.regroup", "arrived_ranks"),
+    "announce_failure": ("trainer.recovery.regroup", "announce_failure"),
+    "failure_handled": ("trainer.recovery.regroup", "failure_handled"),
+    "publish_smaller_world": ("trainer.recovery.regroup", "publish_smaller_world"),
 }
 
 
@@ -76,6 +74,7 @@ __all__ = [
     "COORD_STORE_ENV", "GENERATION_ENV", "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED",
     "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV", "JOB_ENV", "LAUNCHER_PID_ENV", "ROUND_ENV", "Config",
     "ConfigError",
-    "append_event", "atomic_file", "cost_report", "die_with_parent", "exit_now", "format_cost", "is_alive", "load",
+    "append_event", "arrived_key", "atomic_file", "failed_key", "handled_key", "next_generation", "store_prefix",
+    "world_key", "cost_report", "die_with_parent", "exit_now", "format_cost", "is_alive", "load",
     "logs", "proc_stat", "read_heartbeats", "scratch_prefix", "sweep_scratch", "temp_name", "validate", *_LAZY,
 ]

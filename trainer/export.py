@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer import storage
+from common import storage
 from trainer.checkpoint import (
     COMMIT,
     STEP_DIR,

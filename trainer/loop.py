@@ -9,16 +9,18 @@ from __future__ import annotations
 import os
 import time
 
-from trainer import recover, storage
+from common import storage
+from common.errors import peer_lost
 from trainer.checkpoint import memory_auto
 from trainer.config import Config
 from trainer.distributed import parallel
-from trainer.distributed.regroup import Regroup
 from trainer.observability import logs
 from trainer.observability.cost import cost_report, format_cost
 from trainer.observability.metrics import BREAKDOWN, format_breakdown, with_other
 from trainer.optim import lr_at, set_lr
 from trainer.records import exchange_records, log_record
+from trainer.recovery import inplace
+from trainer.recovery.regroup import Regroup
 from trainer.resume import resume, start_meters
 from trainer.run import Meters, Progress, Run, build, hold_directories, release, release_leases
 from trainer.runtime import fault, host, protocol
@@ -43,7 +45,7 @@ def train(cfg: Config) -> dict:
     heartbeat, preemption, run, meters = protocol.Heartbeat(info.rank), fault.PreemptionFlag(), None, None
     stalls = storage.StallWatch(cfg.storage.stall_s, fault.storage_stalled)
     leases: list[Lease] = []
-    joining = recover.joining_setup(regroup) if regroup is not None and regroup.generation else None
+    joining = inplace.joining_setup(regroup) if regroup is not None and regroup.generation else None
     try:
         with stalls.guard("taking the leases on run.dir and checkpoint.dir", cfg.checkpoint_dir):
             leases = hold_directories(cfg, info, alone=joining is not None)
@@ -58,9 +60,9 @@ def train(cfg: Config) -> dict:
                                     fault.slowdown(progress.state.step + 1, run.info.rank))
                 after_step(run, meters, progress, result, step_start, data_wait)
             except Exception as error:
-                if regroup is None or not recover.peer_lost(error):
+                if regroup is None or not peer_lost(error):
                     raise
-                run, progress, meters = recover.recover(run, meters, progress, error)
+                run, progress, meters = inplace.recover(run, meters, progress, error)
         return finish(run, meters, progress)
     finally:
         try:
@@ -75,7 +77,7 @@ def train(cfg: Config) -> dict:
 
 
 def in_process_recovery(cfg: Config) -> Regroup | None:
-    """The handle on in-process recovery (trainer.recover) when the launcher offers it and fault.in_process
+    """The handle on in-process recovery (trainer.recovery.inplace) when the launcher offers it and fault.in_process
     is on; None otherwise (a lost peer then ends this process, and the launcher restarts the group)."""
     if not cfg.fault.in_process:
         return None

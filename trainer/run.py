@@ -7,23 +7,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from common import storage
+from common.clock import call_bounded
 from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
 from data.stream import TokenStream
-from trainer import storage
 from trainer.checkpoint import Checkpointer, CheckpointError, CheckpointStorageError, TrainState, memory_auto
 from trainer.checkpoint import memory as memory_tier
 from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.distributed import parallel
-from trainer.distributed.regroup import Regroup
 from trainer.evaluate import Evaluator
 from trainer.model.transformer import Transformer
 from trainer.observability import logs
@@ -31,6 +30,7 @@ from trainer.observability.metrics import LogWindow, MetricsLog, PendingRecords,
 from trainer.observability.profiling import StepProfiler
 from trainer.observability.stragglers import StragglerWatch
 from trainer.optim import build_optimizer
+from trainer.recovery.regroup import Regroup
 from trainer.runtime import fault, protocol
 from trainer.runtime.lease import DirectoryInUse, Lease
 from trainer.step import NonFiniteGuard
@@ -59,7 +59,7 @@ class Run:
     flops_per_token: float
     peak_flops: float
     closed: bool = False  # `release` ran
-    regroup: Regroup | None = None  # in-process recovery (trainer.recover), when the launcher offers it
+    regroup: Regroup | None = None  # in-process recovery (trainer.recovery.inplace), when the launcher offers it
 
     @property
     def tokens_per_step(self) -> int:
@@ -99,7 +99,7 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
           preemption: fault.PreemptionFlag, stalls: storage.StallWatch, regroup: Regroup | None = None,
           joining: dict | None = None) -> Run:
     """Data, model (sharded), optimizer, checkpointer and memory tier; says what was built. `joining`:
-    a replacement rank's settings from the survivors (trainer.recover.joining_setup), in place of the
+    a replacement rank's settings from the survivors (trainer.recovery.inplace.joining_setup), in place of the
     start-up collectives they are no longer in."""
     validate(cfg, info.world)
     t = cfg.train
@@ -207,12 +207,8 @@ def release_leases(leases: list[Lease], timeout_s: float = 10.0) -> None:
             except Exception as e:  # noqa: BLE001
                 log.warning("could not release the lease %s: %s: %s", lease.url, type(e).__name__, e)
 
-    if leases:
-        releasing = threading.Thread(target=release, name="lease-release", daemon=True)
-        releasing.start()
-        releasing.join(timeout_s)
-        if releasing.is_alive():
-            log.warning("the leases were not released within %.0fs: the next job takes them over", timeout_s)
+    if leases and not call_bounded(release, timeout_s, name="lease-release").done:
+        log.warning("the leases were not released within %.0fs: the next job takes them over", timeout_s)
 
 
 def open_dataset(cfg: Config, info: parallel.DistInfo, stalls: storage.StallWatch) -> ShardSet:

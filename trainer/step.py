@@ -14,8 +14,8 @@ import torch
 from data.stream import BatchWithPositions
 from trainer.config import Config
 from trainer.distributed import parallel
-from trainer.distributed.grad_norm import clip_grad_norm
 from trainer.observability.metrics import StepTimer
+from trainer.recovery.grad_norm import clip_grad_norm
 
 log = logging.getLogger("rekindle.step")
 

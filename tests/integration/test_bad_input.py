@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 from data.corpus import ensure_builtin
-from tests.helpers import REPO, child_env
-from tests.integration.test_launch_faults import finish, launch
+from tests.helpers import REPO, child_env, finish, launch
 from trainer.runtime.protocol import read_events
 
 

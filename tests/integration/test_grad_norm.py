@@ -1,4 +1,4 @@
-"""trainer.distributed.grad_norm on 2 real gloo ranks with the smoke model under FSDP2: the norm and the
+"""trainer.recovery.grad_norm on 2 real gloo ranks with the smoke model under FSDP2: the norm and the
 clipped gradients are torch's (clip_grad_norm_ through DTensor), clipping or not; a non-finite gradient
 on one rank gives a non-finite norm on both, as torch's does; one process (plain tensors) agrees too."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.testing import free_port
+from tests.fixtures import free_port
 
 WORLD = 2
 
@@ -44,7 +44,7 @@ def _set_grads(model, grads: list[torch.Tensor]) -> None:
 
 
 def _ranks(rank: int, port: int, out: str) -> None:
-    from trainer.distributed.grad_norm import clip_grad_norm
+    from trainer.recovery.grad_norm import clip_grad_norm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = {}
@@ -84,7 +84,7 @@ def test_the_norm_and_clipped_gradients_are_torchs_on_fsdp2_shards(tmp_path):
 
 
 def test_one_process_agrees_with_torch():
-    from trainer.distributed.grad_norm import clip_grad_norm
+    from trainer.recovery.grad_norm import clip_grad_norm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))

@@ -1,4 +1,4 @@
-"""In-process recovery (fault.in_process, trainer.recover, launch.inprocess) under real faults, 4 gloo
+"""In-process recovery (fault.in_process, trainer.recovery.inplace, launch.inprocess) under real faults, 4 gloo
 ranks under `python -m launch`: a SIGKILLed rank, then a SIGSTOPped one (killed by the watchdog), then
 a SIGKILLed one while another is frozen (it never notices the failure: the launcher replaces it too), are
 replaced while the other ranks keep their processes, and the run stays bit-identical to an
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_launch_faults import finish, launch, wait_for_step
+from tests.helpers import finish, launch, wait_for_step
 from tests.integration.test_memory_tier import assert_same_run
 from tests.integration.test_warm_restarts import processes_of
 from trainer.runtime.protocol import read_events, read_heartbeats

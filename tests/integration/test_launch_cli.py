@@ -12,9 +12,9 @@ import subprocess
 import sys
 import time
 
+from common.process import proc_stat
 from launch.watchdog import Watchdog
-from tests.helpers import REPO, SMOKE
-from trainer.runtime.process import proc_stat
+from tests.helpers import REPO, SMOKE, wait_for
 
 
 def _beat(directory, rank: int, pid: int, age_s: float, phase: str = "train") -> None:
@@ -24,25 +24,40 @@ def _beat(directory, rank: int, pid: int, age_s: float, phase: str = "train") ->
     (directory / f"rank-{rank}.json").write_text(json.dumps(record))
 
 
+def cpu_s(pid: int) -> float:
+    """The CPU time a process has used (user + system), in seconds."""
+    return proc_stat(pid)[1] / os.sysconf("SC_CLK_TCK")
+
+
+def spun_a_second(pid: int) -> None:
+    """Wait (bounded) until the spinning process `pid` has used another second of CPU time: a second at least
+    has passed (the watchdog samples CPU time a second apart), and it spun all along."""
+    start = cpu_s(pid)
+    wait_for("second of the spinning process's CPU time", lambda: cpu_s(pid) - start >= 1.0, 30, every=0.05)
+
+
 def test_watchdog_tells_stopped_spinning_and_waiting_ranks_apart(tmp_path):
     spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     waiting = subprocess.Popen(["sleep", "60"])
     stopped = subprocess.Popen(["sleep", "60"])
     os.kill(stopped.pid, signal.SIGSTOP)
     try:
+        # As the watchdog will see them: the SIGSTOP taken effect, `sleep` asleep (not still starting).
+        wait_for("stopped process and sleeping one", lambda: proc_stat(stopped.pid)[0] in "Tt"
+                 and proc_stat(waiting.pid)[0] == "S", 10, every=0.01)
         dog = Watchdog(tmp_path, hang_timeout_s=5)
         _beat(tmp_path, 0, waiting.pid, age_s=1)  # fresh: fine
         assert dog.check(attempt=0) is None
         for rank, proc in enumerate([waiting, spinning, stopped]):
             _beat(tmp_path, rank, proc.pid, age_s=10)
         dog.check(attempt=0)
-        time.sleep(1.2)  # a CPU-time sample a second apart tells spinning from waiting
+        spun_a_second(spinning.pid)  # a CPU-time sample a second apart tells spinning from waiting
         hang = dog.check(attempt=0)
         assert (hang.rank, hang.state) == (2, "stopped") and "stopped" in hang.describe()
         (tmp_path / "rank-2.json").unlink()
         assert (dog.check(attempt=0).rank, dog.check(attempt=0).state) == (1, "spinning")
         (tmp_path / "rank-1.json").unlink()
-        time.sleep(1.2)
+        spun_a_second(spinning.pid)  # the next sample, a second later: the sleeping process used no CPU time
         hang = dog.check(attempt=0)
         assert (hang.rank, hang.state) == (0, "waiting")
         assert dog.check(attempt=1) is None  # records of another attempt are ignored
@@ -59,9 +74,7 @@ def test_a_stopped_rank_is_blamed_even_if_a_peer_became_overdue_first(tmp_path):
     stopped = subprocess.Popen(["sleep", "60"])
     os.kill(stopped.pid, signal.SIGSTOP)
     try:
-        deadline = time.time() + 10
-        while proc_stat(stopped.pid)[0] not in "Tt" and time.time() < deadline:  # SIGSTOP takes effect
-            time.sleep(0.01)
+        wait_for("stopped process", lambda: proc_stat(stopped.pid)[0] in "Tt", 10, every=0.01)  # SIGSTOP takes effect
         dog = Watchdog(tmp_path, hang_timeout_s=5)
         _beat(tmp_path, 1, stopped.pid, age_s=3)
         assert dog.check(attempt=0) is None
@@ -82,9 +95,7 @@ def test_a_rank_stuck_in_a_checkpoint_save_is_reported_as_such(tmp_path):
 
     waiting = subprocess.Popen(["sleep", "60"])
     try:
-        deadline = time.time() + 10
-        while proc_stat(waiting.pid)[0] != "S" and time.time() < deadline:  # asleep, as in a blocked read
-            time.sleep(0.01)
+        wait_for("sleeping process", lambda: proc_stat(waiting.pid)[0] == "S", 10, every=0.01)  # as in a blocked read
         dog = Watchdog(tmp_path, hang_timeout_s=5)
         _beat(tmp_path, 0, waiting.pid, age_s=10, phase="save")
         hang = dog.check(attempt=0)

@@ -20,11 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, child_env, free_port, read_metrics, trainer_cmd
-from tests.integration.test_launch_faults import finish, launch, load_final, wait_for_step
+from tests.fixtures import kill_tree, wait_for_rendezvous_host
+from tests.helpers import (
+    REPO,
+    child_env,
+    finish,
+    free_port,
+    launch,
+    load_final,
+    read_metrics,
+    trainer_cmd,
+    wait_for_step,
+)
 from trainer.checkpoint import memory_auto
 from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
-from trainer.testing import kill_tree, wait_for_rendezvous_host
 
 STEPS = 80
 BASE = [f"train.steps={STEPS}", "checkpoint.every=50"]  # durable: only the final step

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.fixtures import free_port
 from trainer.runtime import fault
-from trainer.testing import free_port
 
 # name: (steps, seconds per step at least (at most 1.5x that), the rank that gets SIGTERM and in which step)
 PHASES = {

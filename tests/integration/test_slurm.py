@@ -4,7 +4,7 @@ each daemon under its own user, as on a cluster), `launch/cluster/slurm.sbatch` 
 other goes on alone; that one is then preempted with SIGTERM (what the recipe's `--signal=TERM@180`
 sends before the time limit), the recipe requeues the job, and both nodes resume from the emergency
 checkpoint with no step lost. (Two nodes preempted together agree on the step they commit:
-test_launch_faults.py, without Slurm.)
+test_launch_preemption.py, without Slurm.)
 
 Needs root (the daemons switch users; the recipe's rendezvous host, the first node's name, must
 resolve, so a line is added to /etc/hosts) and the packages, which are installed with apt-get when

@@ -9,10 +9,9 @@ import os
 import signal
 import time
 
-from tests.helpers import wait_for
-from tests.integration.test_launch_faults import finish, launch
+from tests.fixtures import TcpProxy
+from tests.helpers import finish, launch, launcher_beats, wait_for
 from trainer.runtime.protocol import read_events, read_jsonl
-from trainer.testing import TcpProxy
 
 GRACE = 4  # fault.preempt_grace_s: each SIGTERM below, with storage that does not answer, takes all of it
 BOUNDS = ["storage.timeout_s=2", "storage.stall_s=4", "fault.hang_timeout_s=60", f"fault.preempt_grace_s={GRACE}",
@@ -65,8 +64,13 @@ def test_storage_that_stops_answering_is_bounded_named_and_resumed_bit_identical
         commits = sum(e["event"] == "commit" for e in events())
         second = launch(tmp_path, overrides, env={"AWS_ENDPOINT_URL": proxy.endpoint})
         wait_for("a commit", lambda: sum(e["event"] == "commit" for e in events()) > commits, 90)
+        committed = max(e["step"] for e in events() if e["event"] == "commit")
         proxy.pause()
-        time.sleep(2.0)  # the ranks train on to the next save, and stall in it
+        # The ranks train on to the next save, and stall in it: a heartbeat in phase `save` past the last commit
+        # (a save's record keeps the step before it).
+        wait_for("a rank in a save after the pause", lambda: any(
+            b["phase"] == "save" and b["step"] >= committed for b in launcher_beats(tmp_path, second.pid)), 60,
+            every=0.05)
         assert sigterm_exit(second, tmp_path) == 75
         outcome = events()[-1]["outcome"]
         assert "no emergency checkpoint of step" in outcome, outcome

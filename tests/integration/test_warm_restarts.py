@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_launch_faults import finish, launch, wait_for_step
+from common.process import is_alive
+from tests.helpers import finish, launch, wait_for_step
 from tests.integration.test_memory_tier import assert_same_run
-from trainer.runtime.process import is_alive
 from trainer.runtime.protocol import read_events
 
 STEPS = 30

@@ -1,4 +1,4 @@
-"""The shared writers' helpers: atomic writes (trainer.storage: unique temp names, nothing left behind,
+"""The shared writers' helpers: atomic writes (common.storage: unique temp names, nothing left behind,
 durable and exclusive variants) and their users' promises (the launcher's run.dir lock, the lease's
 create-if-absent, the fork server's socket path); the background writer of async saves and the memory
 tier (trainer.checkpoint.background); per-process scratch directories (trainer.runtime.scratch)."""
@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from trainer import storage
+from common import storage
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.runtime.scratch import scratch_prefix, sweep_scratch
 

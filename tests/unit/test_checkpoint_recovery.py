@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common import storage
 from tests.helpers import SOLO, assert_same, corrupt, trained
-from trainer import storage
 from trainer.checkpoint import (
     COMMIT,
     Checkpointer,

@@ -1,33 +1,71 @@
-"""The layout's promises: launch/ reaches the trainer through trainer.contract only, no library file
-grows past 400 lines, and the config (with the model's arguments) imports first and without torch."""
+"""The layout's promises: common/ is the bottom (it imports none of the project's other packages, nor
+torch), data/ imports neither the trainer nor the launcher, launch/ reaches the trainer through
+trainer.contract only, every package's docstring lists its modules, no library file grows past 400 lines,
+and the config (with the model's arguments) imports first and without torch."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("common", "trainer", "data", "launch")
 
 
-def trainer_imports(path: Path) -> set[str]:
-    """The trainer modules a file imports (at any depth of the file)."""
+def project_imports(path: Path, packages: tuple[str, ...] = PACKAGES) -> set[str]:
+    """The modules of `packages` a file imports (at any depth of the file)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trainer":
-            found.add(node.module if node.module != "trainer" else f"trainer.{node.names[0].name}")
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in packages:
+            found.add(node.module if "." in node.module else f"{node.module}.{node.names[0].name}")
         elif isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "trainer"}
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] in packages}
     return found
 
 
+def crossings(package: str, allowed) -> list[str]:
+    """`file: module` for each project module a file of `package` imports that `allowed(module)` refuses."""
+    return sorted(f"{path.relative_to(REPO)}: {module}" for path in (REPO / package).rglob("*.py")
+                  for module in project_imports(path) if not allowed(module))
+
+
+def test_common_imports_nothing_of_the_other_packages_nor_torch():
+    import subprocess
+    import sys
+
+    assert not (found := crossings("common", lambda module: module.split(".")[0] == "common")), found
+    modules = sorted(f"common.{p.stem}" for p in (REPO / "common").glob("*.py") if p.name != "__init__.py")
+    code = (f"import sys, {', '.join(modules)}, trainer.recovery.keys, trainer.contract; "
+            "assert 'torch' not in sys.modules, 'torch loaded'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_data_imports_neither_the_trainer_nor_the_launcher():
+    assert not (found := crossings("data", lambda module: module.split(".")[0] in ("common", "data"))), found
+
+
 def test_the_launcher_imports_the_trainer_only_through_its_contract():
-    crossing = {f"{path.relative_to(REPO)}: {module}" for path in (REPO / "launch").rglob("*.py")
-                for module in trainer_imports(path) if module != "trainer.contract"}
-    assert not crossing, sorted(crossing)
+    allowed = lambda module: module == "trainer.contract" or module.split(".")[0] in ("common", "launch")
+    assert not (found := crossings("launch", allowed)), found
+
+
+def test_every_package_docstring_lists_its_modules():
+    """Each package's `__init__` docstring is its index: every module file and subpackage is named there."""
+    missing = []
+    for package in PACKAGES:
+        for init in sorted((REPO / package).rglob("__init__.py")):
+            doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+            names = [p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+            names += [p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()]
+            missing += [f"{init.parent.relative_to(REPO)}: {name}" for name in sorted(names)
+                        if not re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", doc)]
+    assert not missing, missing
 
 
 def test_no_library_file_is_over_400_lines():
-    long = {f"{path.relative_to(REPO)}: {n}" for package in ("trainer", "data", "launch")
+    long = {f"{path.relative_to(REPO)}: {n}" for package in PACKAGES
             for path in (REPO / package).rglob("*.py") if (n := len(path.read_text().splitlines())) > 400}
     assert not long, sorted(long)
 

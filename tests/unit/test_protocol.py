@@ -69,7 +69,7 @@ def test_sigusr1_prints_every_threads_stack_and_the_rank_goes_on():
 
 
 def test_survivors_renumbered_in_a_smaller_world_each_keep_one_file_under_their_new_rank(tmp_path, monkeypatch):
-    """Ranks 2 and 3 go on as 0 and 1 (trainer.recover.rebuild_smaller), in either order, over a stale
+    """Ranks 2 and 3 go on as 0 and 1 (trainer.recovery.inplace.rebuild_smaller), in either order, over a stale
     `rank-1.json`: each ends with one file under its new number, neither writes into the other's, and the
     old names are gone."""
     monkeypatch.setenv(HEARTBEAT_DIR_ENV, str(tmp_path))

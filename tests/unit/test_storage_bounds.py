@@ -1,4 +1,4 @@
-"""Bounds on storage (trainer.storage): the stall watch, which errors are the storage's, and which of those
+"""Bounds on storage (common.storage): the stall watch, which errors are the storage's, and which of those
 mean "storage may come back"."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from trainer import storage
+from common import storage
 from trainer.checkpoint import CheckpointError, CheckpointStorageError
 
 

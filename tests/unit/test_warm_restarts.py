@@ -146,7 +146,7 @@ def test_startup_measurements_are_kept_for_the_launchers_next_groups(tmp_path, m
 
 
 def test_a_store_client_waits_for_its_server_without_backing_off():
-    from trainer.distributed.parallel import wait_listening
+    from common.net import wait_listening
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

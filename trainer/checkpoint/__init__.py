@@ -33,6 +33,8 @@ The package, by job:
   memory_slots  the memory tier's files on a node: slots, writing a part (header last), the scan that verifies
   memory_state  what a memory-tier part holds of the state (tensors, their layout as bytes), and its restore
   memory_peers  what the memory tier's ranks exchange: the peer copies, the restore plan, the parts sent
+  memory_reshard  a memory snapshot of another world size put back in this one (a lost node, another
+                --nproc-per-node): each rank reads the rows it now holds from the node's parts
   memory_auto   checkpoint.memory_every=auto: the interval that keeps a snapshot's cost near 1% of the steps,
                 or off, saying why (memory_dir on a disk, not enough room)
 Fault injection for tests (`REKINDLE_CRASH_AT`) is in trainer.runtime.fault.

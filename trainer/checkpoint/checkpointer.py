@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import storage
+from common import storage
 from trainer.checkpoint import commit, writing
 from trainer.checkpoint import format as shard_format
 from trainer.checkpoint.commit import TrainState, step_dir
@@ -219,7 +219,7 @@ class Checkpointer:
                 pending.future.result(timeout=timeout_s)
 
     def rebind_groups(self, mapping: dict) -> None:
-        """In-process recovery: the async stager's group, re-formed (trainer.distributed.regroup)."""
+        """In-process recovery: the async stager's group, re-formed (trainer.recovery.regroup)."""
         if self._stager is not None and self._stager.group is not None:
             self._stager.group = mapping[self._stager.group]
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer import storage
+from common import storage
 from trainer.checkpoint.format import CheckpointStorageError, load_metadata
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")

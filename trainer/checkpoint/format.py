@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.futures import Future
 
-from trainer import storage
+from common import storage
 from trainer.distributed.torch_compat import FsspecReader
 
 # The storage format of tensor items written here: the tensor's bytes, row-major, nothing else. Its

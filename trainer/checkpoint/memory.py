@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import storage
+from common import storage
 from trainer.checkpoint import memory_peers, memory_reshard, memory_slots
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.commit import TrainState
@@ -163,7 +163,7 @@ class MemoryTier:
         self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
 
     def rebind_groups(self, mapping: dict) -> None:
-        """In-process recovery: the peer copies' group, re-formed (trainer.distributed.regroup)."""
+        """In-process recovery: the peer copies' group, re-formed (trainer.recovery.regroup)."""
         if self._group is not None:
             self._group = mapping[self._group]
 

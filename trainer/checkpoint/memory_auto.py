@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer import storage
+from common import storage
 
 COST_SHARE = 0.01  # a snapshot may cost this share of the steps it covers
 ROOM_SHARE = 0.25  # the snapshots of a node's ranks may take this share of memory_dir's free space

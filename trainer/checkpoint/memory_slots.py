@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from trainer import storage
+from common import storage
 from trainer.observability import logs
 
 log = logs.get_logger("memory")

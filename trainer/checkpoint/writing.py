@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from trainer import storage
+from common import storage
 from trainer.checkpoint.format import ALIGN, RAW_FORMAT, CheckpointError, byte_view
 from trainer.distributed.torch_compat import FsspecWriter, StorageInfo
 

@@ -140,7 +140,7 @@ class FaultConfig:
                                   "already imported (launch.zygote) instead of starting Python afresh; false = off")
     in_process: bool = setting(True, "python -m launch: when a rank fails, the other ranks keep their processes "
                                "and restore in place, and only the failed rank is started again "
-                               "(trainer.recover); false = every rank restarts")
+                               "(trainer.recovery.inplace); false = every rank restarts")
     straggler_factor: float = setting(1.5, "a rank whose own work per step (data wait + compute, not waiting in "
                                       "collectives) is this many times the other ranks' median is slow; 0 = off",
                                       ge=0)

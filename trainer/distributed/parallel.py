@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.net import wait_listening
 from trainer.config import DistConfig
 
 if TYPE_CHECKING:
-    from trainer.distributed.regroup import Regroup
+    from trainer.recovery.regroup import Regroup
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,9 @@ def _group_store(rank: int, world: int, timeout: timedelta) -> dist.Store | None
         return None
     if rank == 0:
         return tcp_store_server(host, port, world, timeout)
-    wait_listening(host, port, timeout.total_seconds())
+    # A TCPStore client that comes before its server retries with growing waits (up to about a second on
+    # torch 2.13): a restarted rank that reaches the group a moment before rank 0 would lose that second.
+    wait_listening(host, port, timeout.total_seconds())  # False: the store's own connect reports the error
     return dist.TCPStore(host, port, world, False, timeout)
 
 
@@ -113,22 +116,6 @@ def _store_through_agent(host: str, port: int, rank: int, world: int, timeout: t
         if time.monotonic() >= deadline:
             raise TimeoutError(f"rank 0's process-group store ({where}, read from torchrun's store at "
                                f"{host}:{port}) did not accept connections within {timeout.total_seconds():.0f}s")
-
-
-def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.01) -> bool:
-    """Wait (bounded) until something accepts connections on host:port. A TCPStore client that comes
-    before its server retries with growing waits (up to about a second on torch 2.13): a restarted rank
-    that reaches the group a moment before rank 0 would lose that second. A bare connection is harmless
-    to the store. False on timeout (the store's own connect then reports the error)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=max(min(1.0, deadline - time.monotonic()), 0.01)).close()
-            return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
 
 
 def init_distributed(cfg: DistConfig, regroup: Regroup | None = None) -> DistInfo:

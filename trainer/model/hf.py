@@ -23,8 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save
 
+from common import storage
 from data.tokenizer import EOS  # the default end of every document, and so also what precedes one
-from trainer import storage
 from trainer.checkpoint import IncompatibleCheckpointError
 from trainer.model.args import ModelArgs
 

@@ -11,7 +11,7 @@ Why: the logits are the largest activation of a small-model step (2,048 tokens x
 32 MiB, and as much again for their gradient; 8,192 x 32,000 in float32 = 1 GiB each for the 1B
 config). On CPU each chunk's logits are turned into loss and gradient while they are still in
 cache instead of going out to memory and back, which makes the output layer faster; on a GPU it is
-the memory that is saved. Measurements: docs/performance.md, "`scripts/bench.py` (full)", change 6.
+the memory that is saved (measured: docs/performance.md, `scripts/bench.py`).
 
 The gradients are computed in the forward pass (they need the softmax, which is only complete
 there) and kept for backward, which scales them by the incoming gradient. Without autograd

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer import storage
+from common import storage
 from trainer.runtime.protocol import HEARTBEAT_DIR_ENV
 
 

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer import storage
+from common import storage
 from trainer.config.schema import ConfigError
 from trainer.observability import logs
 

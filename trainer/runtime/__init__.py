@@ -4,7 +4,6 @@ when things go wrong.
     protocol      the contract with the launcher: env vars, exit codes, heartbeat records, events.jsonl
     fault         preemption (SIGTERM, agreed by every rank), dying with the launcher, injected faults
     lease         one job per run.dir / checkpoint.dir (LEASE.json, renewed; stale ones taken over)
-    process       /proc reads and process life (is_alive, die_with_parent, exit_now)
     scratch       per-process temp directories, and the sweep of those whose process is gone
     host          the host's memory settings: malloc tuning and transparent huge pages
 """

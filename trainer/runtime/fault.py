@@ -17,8 +17,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from common.process import die_with_parent
+from common.timing import BLOCK_ABOVE_S, CHECK_EVERY_S
 from trainer.runtime import protocol
-from trainer.runtime.process import die_with_parent
 
 FAULT_AFTER_BYTES = 4096  # `shards` / `write-error` fire once this much of the shard file is written
 
@@ -46,8 +47,8 @@ def stop_now(message: str, code: int, error: type[Exception] = RuntimeError) -> 
 
 
 def storage_stalled(message: str) -> None:
-    """A storage operation stalled past `storage.stall_s` (trainer.storage.StallWatch): EXIT_STORAGE."""
-    from trainer.storage import StorageStalled
+    """A storage operation stalled past `storage.stall_s` (common.storage.StallWatch): EXIT_STORAGE."""
+    from common.storage import StorageStalled
 
     stop_now(message, protocol.EXIT_STORAGE, StorageStalled)
 
@@ -74,9 +75,7 @@ def stacks_on_sigusr1() -> None:
 
 
 # How often the ranks agree on a preemption (PreemptionFlag): steps shorter than BLOCK_ABOVE_S agree about
-# every CHECK_EVERY_S, pipelined; longer ones block at the end of every step.
-CHECK_EVERY_S = 0.25
-BLOCK_ABOVE_S = 0.5
+# every CHECK_EVERY_S (common.timing), pipelined; longer ones block at the end of every step.
 MAX_STEPS_BETWEEN = 32
 
 
@@ -93,15 +92,15 @@ class PreemptionFlag:
     """SIGTERM sets a flag; `agreed()`, called by every rank at every step boundary, makes all ranks stop
     at the same step once any of them got it.
 
-    It used to be a blocking all-reduce after every step, which on small fast steps cost more than
-    the rest of the fault tolerance together. Now the ranks agree at check steps only, and on fast steps
-    without waiting: at a check step every rank reads the MAX all-reduce it started, asynchronously, at
+    A blocking all-reduce after every step would cost more, on small fast steps, than the rest of the
+    fault tolerance together. So the ranks agree at check steps only, and on fast steps without waiting: at a
+    check step every rank reads the MAX all-reduce it started, asynchronously, at
     the previous check step (finished long since), and starts the next one. That all-reduce also carries
     each rank's proposal for the steps to the next check (`steps_between_checks`; the smallest wins), so
     every rank knows the same check steps and reads the same flags at the same step: they all stop
     there. A signal is acted on within about 2 x CHECK_EVERY_S on fast steps; on steps of BLOCK_ABOVE_S
     or more the all-reduce blocks at every step, and the ranks stop at the end of the step the signal
-    came in, as before. With one rank there is nothing to agree on: it stops at the next boundary."""
+    came in. With one rank there is nothing to agree on: it stops at the next boundary."""
 
     def __init__(self) -> None:
         # A plain attribute: the handler takes no lock. SIGTERM comes several times at once (Slurm signals every

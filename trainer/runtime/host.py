@@ -6,9 +6,9 @@ blocks above its mmap threshold (at most 32 MiB) with fresh `mmap`s and returns 
 every step first-touches, page-faults and zeroes them again; on a virtual machine each fault is
 expensive. Keeping freed memory in the heap (no mmap for large blocks, no trimming) removes those
 faults; the price is that the process keeps its peak heap until it exits, which a trainer does
-anyway. The gain grows with the size of a step's activations: since the fused loss
-(`trainer/model/loss.py`) no longer materialises the default model's full logits, that model gains
-little from either setting, while models with larger activations still do (docs/performance.md,
+anyway. The gain grows with the size of a step's activations: the fused loss (`trainer/model/loss.py`)
+does not materialise the default model's full logits, so that model gains little from either setting, while
+models with larger activations still do (docs/performance.md,
 "Design choices": malloc tuning).
 
 Huge pages: with the above, every buffer of a step lives in the heap, mapped in 4 KiB pages; the

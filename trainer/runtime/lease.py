@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from trainer import storage
-from trainer.runtime.process import is_alive, process_start_time
+from common import storage
+from common.process import is_alive, process_start_time
+from common.timing import SETTLE_S
 
 LEASE = "LEASE.json"
 JOB_ENV = "REKINDLE_JOB"  # set by the launcher: the job (its nodes and restarts) that owns the lease
-SETTLE_S = 0.3  # a competing write lands within this (a read after it tells who won)
 
 
 class DirectoryInUse(RuntimeError):

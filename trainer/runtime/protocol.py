@@ -20,12 +20,21 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from trainer.runtime.process import process_start_time
+from common.exits import (  # noqa: F401 - the contract's exit codes (common.exits), read here by the trainer
+    EXIT_CRASH_LOOP,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+)
+from common.process import process_start_time
+from common.timing import REFRESH_S
 
 # --- environment variables set by the launcher for its ranks (and by tests for fault injection)
 HEARTBEAT_DIR_ENV = "REKINDLE_HEARTBEAT_DIR"  # where each rank rewrites its heartbeat record
 LAUNCHER_PID_ENV = "REKINDLE_LAUNCHER_PID"  # ranks die with this process (PR_SET_PDEATHSIG)
-COORD_STORE_ENV = "REKINDLE_COORD_STORE"  # host:port of the launcher's store (in-process recovery: trainer.recover)
+COORD_STORE_ENV = "REKINDLE_COORD_STORE"  # host:port of the launcher's store (in-process recovery: trainer.recovery)
 GENERATION_ENV = "REKINDLE_GENERATION"  # a replacement rank joins this generation of the groups (absent: 0)
 ROUND_ENV = "REKINDLE_ROUND"  # the worker group's rendezvous round: the same on every node (the restart count is not)
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchelastic's: the worker group's attempt number
@@ -34,17 +43,7 @@ HANG_AT_ENV = "REKINDLE_HANG_AT"  # "step[:rank]": spin forever at that step (fi
 CRASH_AT_ENV = "REKINDLE_CRASH_AT"  # "point@step[:rank]": a fault inside a checkpoint save (trainer.runtime.fault)
 SLOW_RANK_ENV = "REKINDLE_SLOW_RANK"  # "rank:seconds[@first[-last]]": that rank sleeps in those steps (a straggler)
 
-# --- exit codes, of a rank and of the launcher
-EXIT_OK = 0
-EXIT_FAILED = 1  # an error; for the launcher: restart budget spent, or a failure restarting cannot fix
-EXIT_USAGE = 2  # bad command line, config or input: restarting cannot fix it
-EXIT_CRASH_LOOP = 3  # launcher: the same failure at the same step again and again
-EXIT_STORAGE = 4  # storage (checkpoints, data) could not be used, or stalled, within its bounds (storage.*);
-#                   it may come back: the launcher restarts with backoff, and exits 4 when its budget is spent
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after an emergency checkpoint; launch again to resume
-
 HEARTBEAT_BYTES = 1024
-REFRESH_S = 1.0  # a heartbeat that changes nothing but its time is written at most this often
 EVENTS_FILE = "events.jsonl"
 
 

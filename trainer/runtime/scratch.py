@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 
-from trainer.runtime.process import is_alive
+from common.process import is_alive
 
 
 def _namespace(prefix: str) -> str:

@@ -1,7 +1,7 @@
 """In-process recovery (fault.in_process, under `python -m launch`): when a peer rank is lost, this
 rank keeps its process, its model, optimizer, data loader and compiled code. It leaves the failed
 generation's process groups, waits (bounded) for the launcher's replacement of the lost rank, re-forms
-the groups (trainer.distributed.regroup), restores the newest memory snapshot every rank has (at
+the groups (trainer.recovery.regroup), restores the newest memory snapshot every rank has (at
 most the step in flight is redone), and goes on. When a whole node is lost the launcher sends the
 survivors on in a smaller world instead: they keep the process but build the run again for it
 (`rebuild_smaller`), and restore the snapshot resharded.
@@ -9,7 +9,8 @@ survivors on in a smaller world instead: they keep the process but build the run
 A replacement rank starts as any rank does (`trainer.loop.train`), but joins the generation the
 launcher names, and takes the run's settings from the survivors (`joining_setup`) instead of the
 start-up collectives they are no longer in. Anything that goes wrong here ends the process: the
-launcher then falls back to a full restart, and its ledger says why."""
+launcher then falls back to a full restart, and its ledger says why. What counts as a lost peer (the
+trigger, in trainer.loop) is common.errors.peer_lost."""
 
 from __future__ import annotations
 
@@ -21,32 +22,19 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
+from common.clock import wait_until
+from common.errors import exception_chain
+from common.timing import RELEASE_AFTER_S
 from trainer.checkpoint import CheckpointError
 from trainer.distributed import torch_compat
-from trainer.distributed.regroup import Regroup, SmallerWorld
 from trainer.observability import logs
+from trainer.recovery import keys
+from trainer.recovery.regroup import Regroup, SmallerWorld
 from trainer.resume import resume, start_meters
 from trainer.run import Meters, Progress, Run, build, release
 from trainer.runtime import fault, protocol
 
 log = logs.get_logger()
-
-# What a collective raises when a peer is gone (gloo; NCCL after an abort): the trigger for recovery.
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
-             "DistBackendError", "NCCL communicator was aborted", "ncclRemoteError", "ProcessGroup",
-             "Read error", "Write error", "connection closed", "Connection refused")
-
-
-def peer_lost(error: BaseException) -> bool:
-    """Whether `error` (raised by a collective, possibly wrapped) says a peer rank is gone."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        text = f"{type(error).__name__}: {error}"
-        if any(pattern in text for pattern in PEER_LOST):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def recover(run: Run, meters: Meters, progress: Progress,
@@ -56,7 +44,7 @@ def recover(run: Run, meters: Meters, progress: Progress,
     it cannot."""
     regroup: Regroup = run.regroup
     t_error = time.time()
-    generation = regroup.generation + 1
+    generation = keys.next_generation(regroup.generation)
     first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     log.warning("a peer rank was lost (%s): recovering in process, generation %d", first_line, generation)
     # The old generation's times go at once: a record read mid-recovery must not pass for a resumed one.
@@ -111,9 +99,6 @@ def recover(run: Run, meters: Meters, progress: Progress,
     return run, progress, meters
 
 
-RELEASE_AFTER_S = 5.0  # the training thread holds none of the failed generation's groups by then
-
-
 def release_elsewhere(error: BaseException, old_groups: list) -> None:
     """Let the failed generation's groups (and the frames of the collective that failed, which hold them) go
     on a thread of their own, later, not on the training thread. A gloo group's destructor waits for its
@@ -121,12 +106,9 @@ def release_elsewhere(error: BaseException, old_groups: list) -> None:
     behind unread data): the training thread would stop there, in the new generation, with its peers
     waiting in its first collective."""
     remains: list = [*old_groups]
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        remains.append(error.__traceback__)
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+    for link in exception_chain(error, suppressed=True):
+        remains.append(link.__traceback__)
+        link.__traceback__ = None
     threading.Thread(target=_release_later, args=(remains,), name="failed-generation", daemon=True).start()
 
 
@@ -191,9 +173,6 @@ def close_meters(meters: Meters) -> None:
                 log.warning("while recovering: %s: %s", type(e).__name__, e)
 
 
-SETUP_KEY = "g{generation}/setup"
-
-
 def publish_setup(run: Run, regroup: Regroup, generation: int) -> None:
     """What a replacement needs from the start-up collectives it missed: the memory tier's run id and
     interval. Every survivor writes the same value; the replacement reads it (`joining_setup`)."""
@@ -201,16 +180,13 @@ def publish_setup(run: Run, regroup: Regroup, generation: int) -> None:
     setup = {"run_id": memory.run if memory is not None else None,
              "every": memory.every if memory is not None else 0,
              "measuring": run.memory_auto}
-    regroup.store.set(SETUP_KEY.format(generation=generation), json.dumps(setup))
+    regroup.store.set(keys.setup_key(generation), json.dumps(setup))
 
 
 def joining_setup(regroup: Regroup) -> dict:
     """The survivors' `publish_setup` for the generation this replacement joins (bounded wait)."""
-    key = SETUP_KEY.format(generation=regroup.generation)
-    deadline = time.monotonic() + regroup.timeout_s
-    while not regroup.store.check([key]):
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"in-process recovery: no survivor published the run's setup within "
-                                  f"{regroup.timeout_s:.0f}s")
-        time.sleep(0.002)
+    key = keys.setup_key(regroup.generation)
+    if not wait_until(lambda: regroup.store.check([key]), regroup.timeout_s, 0.002):
+        raise CheckpointError(f"in-process recovery: no survivor published the run's setup within "
+                              f"{regroup.timeout_s:.0f}s")
     return json.loads(regroup.store.get(key))

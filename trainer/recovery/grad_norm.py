@@ -1,10 +1,9 @@
 """The global gradient norm and clipping to it, on each rank's own shards.
 
 `torch.nn.utils.clip_grad_norm_` on FSDP2's sharded (DTensor) gradients goes through DTensor's
-dispatch for every operation: a per-step cost in Python (about 1.6 ms of a 27 ms step of the smoke
-model on 2 CPU ranks; 0.8 ms here), and, in a process that has not run it yet (a rank that replaces a
-failed one, trainer.recover), DTensor's sharding-rule caches are cold: that rank's first clip took
-34 ms (1 ms here).
+dispatch for every operation: a per-step cost in Python, and, in a process that has not run it yet (a
+rank that replaces a failed one, trainer.recovery.inplace), DTensor's sharding-rule caches are cold, which
+makes that rank's first clip many times slower than a survivor's (docs/performance.md).
 When every gradient is sharded on one mesh dimension, as FSDP2 shards them, the norm is the square root
 of the sum over the ranks of each rank's sum of squares: one all-reduce of one number, on plain local
 tensors. Anything else (a replicated or multi-dimensional placement) takes torch's path."""

@@ -7,7 +7,7 @@ Why this shape:
   generation. torch resets its group counter when the default group is destroyed (for exactly this
   case), so each group gets its old name back: DeviceMesh and DTensor's collectives, which find groups
   by name, follow at once; the few objects that hold a group itself are given the new one
-  (`trainer.recover.rebind`, with FSDP2's in `trainer.distributed.torch_compat`). Registering a fresh
+  (`trainer.recovery.inplace.rebind`, with FSDP2's in `trainer.distributed.torch_compat`). Registering a fresh
   backend on the old `ProcessGroup` objects does not work: torch keeps a group's first backend of a
   type (re-registration is a no-op on 2.13), so collectives would still run on the dead connections.
 - Leaving: NCCL backends abort (`Backend.abort`, public). Gloo cannot abort a collective that is
@@ -17,10 +17,9 @@ Why this shape:
   reads fail at once, they leave in turn, and the failure reaches every rank in a few milliseconds.
 - A lost node (`--nnodes MIN:MAX`): the launcher publishes a smaller world for the generation instead of
   waiting for replacements (`publish_smaller_world`); its survivors form the default group at their new
-  ranks (`reform_smaller`) and build the rest of the run again (trainer.recover).
+  ranks (`reform_smaller`) and build the rest of the run again (trainer.recovery.inplace).
 - The store is the launcher's (the rendezvous store, `COORD_STORE_ENV`): it outlives any rank, rank
-  0 included. Keys live under `rekindle/inproc/<rendezvous run id>/<round>/<generation>/` (the worker group's
-  rendezvous round: `protocol.worker_group`).
+  0 included. Its keys and their layout are trainer.recovery.keys.
 """
 
 from __future__ import annotations
@@ -39,6 +38,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.clock import wait_until
+from common.timing import NOTICE_GRACE_S, POLL_S, STUCK_S, WATCH_S
+from trainer.recovery import keys
 from trainer.runtime import protocol
 from trainer.runtime.protocol import COORD_STORE_ENV, worker_group
 
@@ -47,23 +49,6 @@ RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 class RejoinFailed(RuntimeError):
     """The ranks did not all come back within the bound: the launcher falls back to a full restart."""
-
-
-# How often a rank asks the store whether another rank noticed a failure (one key: cheap), and how long
-# after that it leaves on its own when its own collective has not failed meanwhile (trainer.recover).
-WATCH_S = 0.1
-NOTICE_GRACE_S = 0.2
-# A rank that left so and still has not begun its recovery this long after is blocked where no error reaches
-# it (on one node its launcher replaces it after launch.inprocess.UNAWARE_S, well before): it ends itself,
-# and its launcher restarts it, instead of the hang timeout doing so a minute later.
-STUCK_S = 10.0
-FAILED_KEY = "g{generation}/failed"  # set by the first ranks to notice that `generation`'s predecessor failed
-HANDLED_KEY = "g{generation}/handled"  # set by a failed rank's launcher: it replaces it, or restarts its group
-
-# How often a waiting survivor asks the store: every survivor asks, and on a few cores their asking
-# takes CPU from the replacement they wait for (7 survivors at 2 ms: about a sixth of 2 cores).
-POLL_S = 0.01
-WORLD_KEY = "g{generation}/world"  # the launcher's smaller world for a generation: {"ranks": {old: new}}
 
 
 @dataclass(frozen=True)
@@ -78,7 +63,7 @@ def publish_smaller_world(store: dist.Store, generation: int, survivors: list[in
     """The launcher's side: the ranks of `survivors` go on as ranks 0..n-1 (in their order) in
     `generation`; returns old rank -> new rank."""
     ranks = {old: new for new, old in enumerate(sorted(survivors))}
-    store.set(WORLD_KEY.format(generation=generation), json.dumps({"ranks": ranks}))
+    store.set(keys.world_key(generation), json.dumps({"ranks": ranks}))
     return ranks
 
 
@@ -87,19 +72,19 @@ def announce_failure(store: dist.Store, generation: int, by: str = "launcher", h
     not noticed leaves (its watch thread, `Regroup._watch`). `handled`: said by the failed ranks' launcher,
     which replaces them or restarts its group: their node lives (`failure_handled`)."""
     if handled:
-        store.set(HANDLED_KEY.format(generation=generation), by)
-    store.set(FAILED_KEY.format(generation=generation), by)
+        store.set(keys.handled_key(generation), by)
+    store.set(keys.failed_key(generation), by)
 
 
 def failure_handled(store: dist.Store, generation: int) -> bool:
     """Whether the launcher of the ranks that failed before `generation` said it handles their failure (the
     launchers' side: their node is not lost)."""
-    return store.check([HANDLED_KEY.format(generation=generation)])
+    return store.check([keys.handled_key(generation)])
 
 
 def arrived_ranks(store: dist.Store, generation: int, world: int) -> list[int]:
     """The ranks that announced themselves for `generation` (the launcher's side)."""
-    return [r for r in range(world) if store.check([f"g{generation}/arrived/{r}"])]
+    return [r for r in range(world) if store.check([keys.arrived_key(generation, r)])]
 
 
 def coordination_store(where: str, run_id: str, group: str, timeout_s: float) -> dist.Store:
@@ -107,7 +92,7 @@ def coordination_store(where: str, run_id: str, group: str, timeout_s: float) ->
     coordinate on, at `where` (host:port)."""
     host, _, port = where.rpartition(":")
     client = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s))
-    return dist.PrefixStore(f"rekindle/inproc/{run_id}/{group}", client)
+    return dist.PrefixStore(keys.store_prefix(run_id, group), client)
 
 
 def _open_sockets() -> dict[str, int]:
@@ -134,7 +119,7 @@ class Regroup:
     timeout_s: float = 60.0
     skip_ports: set[int] = field(default_factory=set)  # store connections are not the groups'
     _sockets: set[str] = field(default_factory=set)  # the current generation's group connections
-    _recovering: bool = False  # this rank's own recovery (trainer.recover) has begun
+    _recovering: bool = False  # this rank's own recovery (trainer.recovery.inplace) has begun
     _lock: threading.Lock = field(default_factory=threading.Lock)  # the watch thread's leave() against it
 
     @classmethod
@@ -177,7 +162,7 @@ class Regroup:
                              f"rank, for its launcher to start it again", 1)
                 continue
             try:
-                if not store.check([FAILED_KEY.format(generation=generation)]):
+                if not store.check([keys.failed_key(generation)]):
                     continue
             except dist.DistError:  # the launcher's store is gone: the launcher ends this rank
                 return
@@ -201,7 +186,8 @@ class Regroup:
 
     def group_store(self, generation: int | None = None) -> dist.Store:
         """The store the groups of `generation` (default: the current one) form on."""
-        return dist.PrefixStore(f"g{self.generation if generation is None else generation}", self.store)
+        return dist.PrefixStore(keys.generation_prefix(self.generation if generation is None else generation),
+                                self.store)
 
     def leave(self) -> int:
         """Stop this rank's part in the current generation: abort NCCL backends, shut down the gloo
@@ -235,30 +221,28 @@ class Regroup:
     # ------------------------------------------------------------------ the next generation
     def announce(self, generation: int, who: str) -> None:
         """Say that this rank is on its way to `generation` (`who`: survivor | replacement)."""
-        self.store.set(f"g{generation}/arrived/{self.rank}", json.dumps({"who": who, "pid": os.getpid(),
+        self.store.set(keys.arrived_key(generation, self.rank), json.dumps({"who": who, "pid": os.getpid(),
                                                                           "t": time.time()}))
 
     def wait_for_all(self, generation: int,
                      stop: Callable[[], bool] = lambda: False) -> dict[int, dict] | SmallerWorld | None:
         """Every rank's arrival record for `generation`; the smaller world the launcher published instead
         (a node was lost); None as soon as `stop()` (a SIGTERM); RejoinFailed after `timeout_s`."""
-        keys = [f"g{generation}/arrived/{r}" for r in range(self.world)]
-        world_key = WORLD_KEY.format(generation=generation)
-        deadline = time.monotonic() + self.timeout_s
-        while not self.store.check(keys):
-            if stop():
-                return None
-            if self.store.check([world_key]):
-                ranks = {int(old): new for old, new in json.loads(self.store.get(world_key))["ranks"].items()}
-                if self.rank not in ranks:
-                    raise RejoinFailed(f"in-process recovery: rank {self.rank} is not in the smaller world {ranks}")
-                return SmallerWorld(ranks[self.rank], len(ranks))
-            if time.monotonic() > deadline:
-                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-                raise RejoinFailed(f"in-process recovery: rank(s) {missing} did not come back within "
-                                   f"{self.timeout_s:.0f}s")
-            time.sleep(POLL_S)
-        return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
+        arrivals = [keys.arrived_key(generation, r) for r in range(self.world)]
+        world_key = keys.world_key(generation)
+        if not wait_until(lambda: self.store.check(arrivals) or stop() or self.store.check([world_key]),
+                          self.timeout_s, POLL_S):
+            missing = [r for r, k in enumerate(arrivals) if not self.store.check([k])]
+            raise RejoinFailed(f"in-process recovery: rank(s) {missing} did not come back within "
+                               f"{self.timeout_s:.0f}s")
+        if self.store.check(arrivals):
+            return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(arrivals))}
+        if stop():
+            return None
+        ranks = {int(old): new for old, new in json.loads(self.store.get(world_key))["ranks"].items()}
+        if self.rank not in ranks:
+            raise RejoinFailed(f"in-process recovery: rank {self.rank} is not in the smaller world {ranks}")
+        return SmallerWorld(ranks[self.rank], len(ranks))
 
     def reform(self, generation: int) -> dict[dist.ProcessGroup, dist.ProcessGroup]:
         """Destroy this process's groups and form them again for `generation` on `group_store(generation)`:
@@ -266,7 +250,7 @@ class Regroup:
         the order they were first made (a replacement rank, started afresh, makes them in that order
         too). Destroying every group resets torch's group counter, so each group gets its old name back
         and anything that finds groups by name (DeviceMesh, DTensor's collectives) finds the new one.
-        Returns old group -> new group, for the objects that hold a group (`trainer.recover` rebinds them)."""
+        Returns old group -> new group, for the objects that hold a group (`trainer.recovery.inplace` rebinds them)."""
         self.generation = generation
         timeout = timedelta(seconds=self.timeout_s)
         old = [(pg, pg.group_name, dist.get_process_group_ranks(pg), str(dist.get_backend(pg))) for pg in _groups()]

@@ -1,13 +1,17 @@
-"""Test and benchmark support shipped with the package: a real S3 endpoint (moto's server) on
-127.0.0.1, reached over HTTP through s3fs exactly as a user's bucket would be (endpoint and
-credentials from the standard AWS environment variables, which child processes inherit). moto is
-imported lazily since it is a dev dependency (`pip install -e '.[dev]'`).
+"""Test and benchmark infrastructure (not part of the installed package): a real S3 endpoint (moto's
+server) on 127.0.0.1, reached over HTTP through s3fs exactly as a user's bucket would be (endpoint and
+credentials from the standard AWS environment variables, which child processes inherit); a pausable TCP
+proxy (storage that stops answering); process-tree kills and freezes (a lost node); which launcher hosts
+the rendezvous store (from the ledger); free_port. moto is imported lazily since it is a dev dependency
+(`pip install -e '.[dev]'`).
 
     with LoopbackS3() as s3:        # AWS_* point at the server inside, and are restored after
         fs = s3fs.S3FileSystem()    # s3.endpoint is http://127.0.0.1:<port>
 
-Used by the tests' `s3_endpoint` / `s3_bucket` fixtures (tests/conftest.py) and by the benchmarks
-(scripts/bench_ckpt.py, scripts/bench_data.py)."""
+Used by the tests (the `s3_endpoint` / `s3_bucket` fixtures in tests/conftest.py, tests/helpers.py and the
+test files) and by the benchmarks and checks in scripts/ (bench.py, bench_ckpt.py, bench_data.py,
+bench_node_loss.py, chaos.py, gpu_inprocess_check.py), which put the repository root on sys.path to import
+it as `tests.fixtures`."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ REGION = "us-east-1"
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, theirs, ...), read from /proc; in other sessions too
     (a launcher's fork server and its ranks start sessions of their own)."""
-    from trainer.runtime.process import parent_pid
+    from common.process import parent_pid
 
     parents = {int(entry): parent_pid(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
     found, frontier = [], [pid]
@@ -52,7 +56,7 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
     import signal
     import time
 
-    from trainer.runtime.process import is_alive
+    from common.process import is_alive
 
     victims = signal_tree(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s

@@ -21,6 +21,8 @@ from typing import Any, BinaryIO
 import fsspec
 import xxhash
 
+from common.errors import exception_chain
+
 LOCAL_CHUNK = 8 << 20
 # Object stores: bytes per GET when verifying or loading a file. Each request costs a round trip (and
 # on moto's server a read of the whole object), so a checkpoint shard file of up to this size is one GET;
@@ -88,11 +90,7 @@ def storage_error(e: BaseException) -> BaseException | None:
       CheckpointStorageError), or a ConnectionError or TimeoutError that the system raised (it has an
       errno: a refused or reset connection, a network mount that timed out): that error. A TimeoutError
       that code raised with a message only is not the storage's (a rendezvous store that did not answer)."""
-    chain, seen = [], set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        chain.append(e)
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    chain = list(exception_chain(e))
     if any(isinstance(link, FileNotFoundError) for link in chain):
         return None
     for link in chain:
@@ -164,8 +162,6 @@ class StallWatch:
 
     def close(self) -> None:
         self._closed.set()
-
-
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""Process-level helpers shared by the trainer, its loader workers and the launcher (torch-free, so
-`--help` stays fast): how a process ends (`exit_now`), whether another one is alive, what /proc says
-about it, and dying with a parent (PR_SET_PDEATHSIG)."""
+"""Process life, shared by the trainer, its loader workers and the launcher (torch-free, so `--help`
+stays fast): how a process ends (`exit_now`), whether another one is alive, what /proc says about it,
+signalling one or its process group (`send_signal`, the one kill helper), and dying with a parent
+(PR_SET_PDEATHSIG)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -72,7 +74,17 @@ def process_start_time(pid: int | None = None) -> float:
         return time.time()
 
 
-def die_with_parent(parent_alive) -> bool:
+def send_signal(pid: int, sig: int, *, group: bool) -> bool:
+    """Send `sig` to process `pid`, or (`group`) to the process group it leads; False when there is no
+    such process (group) or it is not ours to signal, True when the signal was sent."""
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def die_with_parent(parent_alive: Callable[[], bool]) -> bool:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux; False elsewhere).
     `parent_alive()` is asked afterwards: if the parent died before the request took effect, this
     process exits at once."""

@@ -1,0 +1,390 @@
+"""The launcher's recovery coordinator: the one owner of every recovery decision on this node. A state
+machine, with no I/O of its own: `handle(event)` takes what the supervisor saw (launch.recovery.events: a
+rank exited, a hang verdict, nodes silent, a tick of the heartbeats) and returns the actions the supervisor
+carries out (replace these ranks, kill this pid, restart the group, stop, record this in the ledger). The
+restart policy (launch.policy) is asked here too, so that every failure is decided in one place.
+
+States: `Idle` -> `Pending(generation)` (failed ranks replaced in process, or the ranks here going on in a
+smaller world) -> `Idle` once every rank here finished a step in the new generation (settled), or -> a
+full restart (fell back: a second failure, the recovery bound passed, a survivor that never noticed on a
+lone node). Beside them: `HangKilled` (a hung rank killed alone, its exit on the way), `Recorded` (the
+policy stopped an in-process recovery: the group's failure is in the ledger already), and `told` (the
+ranks here were told to go on without silent nodes).
+
+In-process recovery (`Mode.in_process`, one node): a failed rank is replaced alone, in the next
+generation; the survivors keep their processes. Under `--nnodes MIN:MAX` (`Mode.smaller`) a node whose
+every rank waits for ranks of other nodes whose launcher said nothing (NODE_LOST_S) sends its survivors on
+in a smaller world; a live node's launcher says at once that it handles its ranks' failure (`Announce`),
+and the others wait NODE_HANDLED_S for it at the rendezvous instead.
+
+Its clock is the wall clock (`time.time()`): the heartbeat records it compares with carry wall times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.timing import HANG_EXIT_WAIT_S, NODE_HANDLED_S, NODE_LOST_S, RECOVERY_BOUND_S, TOLD_S, UNAWARE_S
+from launch.failures import Failure
+from launch.liveness import goes_on
+from launch.policy import Decision, RestartPolicy
+from launch.recovery.events import (
+    Action,
+    Announce,
+    Beats,
+    CheckHangs,
+    Event,
+    GroupFailed,
+    GroupLeft,
+    GroupStarted,
+    HangFound,
+    Kill,
+    LetFail,
+    Note,
+    Observed,
+    Preempted,
+    PrintStacks,
+    Proceed,
+    PublishSmallerWorld,
+    RanksExited,
+    Record,
+    Replace,
+    Restart,
+    SegmentStarted,
+    Silence,
+    Stop,
+    Tick,
+    WorldPublished,
+)
+from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV, next_generation
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What this node's launcher may do: replace failed ranks in process (`in_process`: one node), send a
+    lost node's survivors on in a smaller world (`smaller`: --nnodes MIN:MAX), down to `min_nodes`."""
+
+    in_process: bool
+    single_node: bool
+    smaller: bool = False
+    min_nodes: int = 1
+
+    @property
+    def uses_store(self) -> bool:
+        """Whether the ranks need the coordination store (either kind of in-process recovery)."""
+        return self.in_process or self.smaller
+
+
+@dataclass(frozen=True)
+class Idle:
+    """No recovery under way."""
+
+
+@dataclass
+class Pending:
+    """A recovery under way: its generation, when its failure was noticed, the ranks replaced, the survivors
+    on this node (local rank -> pid), the failed ranks' trainer pids (their heartbeats are stale), the ranks
+    of a lost node (the world got smaller), the survivors killed for never noticing the failure."""
+
+    generation: int
+    noticed: float
+    replaced: list[int]
+    kept: dict[int, int] = field(default_factory=dict)
+    dead_pids: frozenset[int] = frozenset()
+    lost: list[int] = field(default_factory=list)
+    unaware: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class HangKilled:
+    """A hung rank was killed alone at `at`: its exit is on its way to the agent, as `failure`."""
+
+    failure: Failure
+    at: float
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The restart policy stopped an in-process recovery: the group's failure, when it comes, is recorded."""
+
+
+@dataclass(frozen=True)
+class Told:
+    """The ranks here were told at `at` to leave their generation: nodes silent since `since` are lost."""
+
+    at: float
+    since: float
+
+
+State = Idle | Pending | HangKilled | Recorded
+
+
+class RecoveryCoordinator:
+    """Events in (`handle`), actions out. The supervisor asks it two questions besides: which heartbeat
+    speaks for the node (`representative`) and which pids the watchdog leaves alone (`unjudged_pids`)."""
+
+    def __init__(self, mode: Mode, policy: RestartPolicy) -> None:
+        self.mode, self.policy = mode, policy
+        self.generation = 0  # the newest generation this node's ranks were asked to join
+        self.state: State = Idle()
+        self.told: Told | None = None
+        self.backoff_s = 0.0  # how long the next full restart backs off (the restart policy's word)
+        self._handlers = {GroupStarted: self._started, RanksExited: self._exited, GroupFailed: self._failed,
+                          Observed: self._observed, Preempted: self._preempted, Tick: self._tick,
+                          HangFound: self._hang, WorldPublished: self._published, GroupLeft: self._left}
+
+    def handle(self, event: Event) -> list[Action]:
+        return self._handlers[type(event)](event)
+
+    # ------------------------------------------------------------------ questions
+    @property
+    def pending(self) -> Pending | None:
+        return self.state if isinstance(self.state, Pending) else None
+
+    def unjudged_pids(self) -> frozenset[int]:
+        """Pids the watchdog must not judge while a recovery is under way: its failed ranks, and its survivors,
+        which wait for the replacement (UNAWARE_S and RECOVERY_BOUND_S bound them). A survivor of a hung rank
+        has not finished a step for as long as the hung one: judged too, it would turn the recovery of a
+        SIGSTOPped rank into a full restart whenever its verdict came before its own notice."""
+        p = self.pending
+        return p.dead_pids | frozenset(p.kept.values()) if p is not None else frozenset()
+
+    def representative(self, beats: Beats) -> dict | None:
+        """The heartbeat that speaks for this node in the ledger: its lowest rank of the current generation,
+        a survivor's while a recovery is under way (older records are of ranks not yet re-formed)."""
+        current = {r: b for r, b in beats.items() if b.get("generation", 0) >= self.generation}
+        p = self.pending
+        kept = [r for r, b in current.items() if p is None or b.get("pid") in p.kept.values()]
+        return current[min(kept or current)] if current else None
+
+    def take_backoff(self) -> float:
+        """The backoff before the full restart about to happen (then none until the policy says so again)."""
+        backoff, self.backoff_s = self.backoff_s, 0.0
+        return backoff
+
+    def next_generation(self, beats: Beats) -> int:
+        """The generation a recovery from now starts: past the newest this node's ranks or this launcher knew."""
+        return next_generation(self.generation, (b.get("generation", 0) for b in beats.values()))
+
+    # ------------------------------------------------------------------ events
+    def _started(self, event: GroupStarted) -> list[Action]:  # noqa: ARG002
+        self.generation, self.state, self.told = 0, Idle(), None
+        return []
+
+    def _preempted(self, event: Preempted) -> list[Action]:  # noqa: ARG002
+        self.state, self.told = Idle(), None
+        return []
+
+    def _exited(self, e: RanksExited) -> list[Action]:
+        p = self.pending
+        if p is not None and e.exits and set(e.exits) <= p.unaware:  # the survivors it had killed: start them too
+            p.replaced = sorted({*p.replaced, *e.exits})
+            p.kept = {lr: pid for lr, pid in p.kept.items() if lr not in {x.local_rank for x in e.exits.values()}}
+            p.dead_pids = p.dead_pids | {e.beats[r]["pid"] for r in e.exits if r in e.beats}
+            return [Replace({GENERATION_ENV: str(p.generation)}, p.generation, tuple(sorted(e.exits)),
+                            tuple(sorted(p.kept.values())), p.noticed, again=True)]
+        failure = self.state.failure if isinstance(self.state, HangKilled) else e.failure
+        if isinstance(self.state, HangKilled):
+            self.state = Idle()
+        if not self.mode.in_process:
+            return [*self._restarting(e.beats), LetFail()]
+        if p is not None:
+            return [*self._fallback(f"a second failure (rank {failure.rank}) during the in-process recovery of "
+                                    f"generation {p.generation}", failure.rank), LetFail()]
+        if failure.exit_code in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_STORAGE) or failure.cause in ("preemption",
+                                                                                                "storage"):
+            return [LetFail()]
+        failed_local = {x.local_rank for x in e.exits.values()}
+        kept = {lr: pid for lr, pid in e.running.items() if lr not in failed_local}
+        if self.mode.single_node and not kept:
+            return [*self._fallback("every rank failed: nobody is left to recover with", failure.rank), LetFail()]
+        verdict = self._decide(failure, e.traceback, "in-process")
+        if isinstance(verdict[-1], Stop):
+            self.generation, self.state, self.told = 0, Recorded(), None
+            return [*verdict, LetFail()]
+        generation = self.next_generation(e.beats)
+        dead = frozenset(e.beats[r]["pid"] for r in e.exits if r in e.beats)
+        self.generation, self.state = generation, Pending(generation, e.now, sorted(e.exits), kept, dead)
+        return [*verdict, Announce(generation), SegmentStarted(e.now, generation),
+                Replace({GENERATION_ENV: str(generation)}, generation, tuple(sorted(e.exits)),
+                        tuple(sorted(kept.values())), e.now)]
+
+    def _failed(self, e: GroupFailed) -> list[Action]:
+        if isinstance(self.state, Recorded):
+            self.state = Idle()
+            return []
+        return self._decide(e.failure, e.traceback, "restart")
+
+    def _observed(self, e: Observed) -> list[Action]:
+        """Settle the pending recovery once every rank of this node has finished a step in its generation."""
+        p = self.pending
+        ready = [b for b in e.beats.values() if p is not None and b.get("generation", 0) >= p.generation
+                 and b.get("t_first")]
+        if p is None or not e.beats or len(ready) < len(e.beats):
+            return []
+        self.state = Idle()
+        return [Note(event="in_process_done", fields=dict(generation=p.generation, replaced=p.replaced,
+                                                           kept_pids=sorted(p.kept.values())))]
+
+    def _tick(self, e: Tick) -> list[Action]:
+        if e.silence is None:
+            self.told = None
+        else:
+            silent = self._silent(e.silence, e)
+            if any(isinstance(action, Restart) for action in silent):
+                return silent
+            return [*silent, *self._recover(e)]
+        return self._recover(e)
+
+    def _recover(self, e: Tick) -> list[Action]:
+        if (stuck := self._overdue(e.now)) or (stuck := self._stuck_unaware(e)):
+            return self._fall_back_stuck(*stuck, e.beats, e.step)
+        kills = self._kill_unaware(e)
+        if (lost := self._lost_node(e)) is not None:
+            return [*kills, lost]
+        if isinstance(self.state, HangKilled) and e.now - self.state.at < HANG_EXIT_WAIT_S:
+            return kills  # the hung rank was SIGKILLed alone: its exit is on its way to the agent
+        return [*kills, CheckHangs(self.unjudged_pids(), e.beats, e.now)]
+
+    def _hang(self, e: HangFound) -> list[Action]:
+        if self.mode.in_process and self.pending is None and not e.gone:
+            # In process: kill the hung rank alone; its replacement is started as for a crash.
+            self.state = HangKilled(e.failure, e.now)
+            return [Note(f"{e.failure.describe()}: killing it (pid {e.pid})"), Kill(e.failure.rank, e.pid)]
+        return [*self._restarting(e.beats), *self._decide(e.failure, "", "restart"), Restart()]
+
+    def _silent(self, s: Silence, e: Tick) -> list[Action]:
+        """Nodes of the group went silent: go on without them (told, in process, when this node is left alone
+        and may; else a restart without them), or stop when this side is not a majority."""
+        if self.told is not None and e.now - self.told.at < TOLD_S:
+            return []
+        size, silent = s.group_size, ", ".join(s.silent)
+        live = size - len(s.silent)
+        notes = [] if self.told is not None else [Note(event="partition", fields=dict(
+            silent=list(s.silent), live=live, group_size=size))]
+        if not goes_on(live, size, s.last_endpoint):
+            reason = (f"this node is cut off: only {live} of the group's {size} node(s) answer (not a majority; "
+                      f"silent: {silent}): stopping without committing, launch again to resume")
+            return [*notes, Stop(Decision(False, exit_code=EXIT_PREEMPTED, reason=reason), outvoted=True), Restart()]
+        if (self.told is None and live == 1 and e.can_tell and self.mode.smaller and self.mode.min_nodes <= 1
+                and self.pending is None):
+            generation = self.next_generation(e.beats)
+            self.told = Told(e.now, s.last_heard)
+            return [*notes, Note(f"the launcher(s) of {silent} stopped answering for {s.lost_s:.0f}s (lost, or cut "
+                                 f"off): telling the ranks here to leave generation {generation - 1} and go on "
+                                 f"without them"), Announce(generation, handled=False)]
+        why = " (the ranks here did not leave their collectives when told)" if self.told is not None else ""
+        failure = Failure(0, "node", e.step, key="node silent", message=(
+            f"the launcher(s) of {silent} stopped answering for {s.lost_s:.0f}s: cut off or lost{why}"))
+        return [*notes, *self._decide(failure, "", "restart"), Restart()]
+
+    def _published(self, e: WorldPublished) -> list[Action]:
+        """The survivors of a lost node go on in process in a smaller world; when they cannot, the group
+        restarts."""
+        lost = list(e.lost)
+        failure = Failure(lost[0] if lost else 0, "node", e.step, key="node lost", message=(
+            f"rank(s) {lost} of another node stopped answering: the node is lost" if lost else f"a peer left: {e.why}"))
+        fallback = self._fallback(e.why, failure.rank) if e.why else []
+        verdict = self._decide(failure, "", "restart" if e.why else "in-process")
+        if e.why or isinstance(verdict[-1], Stop):
+            return [*fallback, *verdict, Restart()]
+        self.generation, self.told = e.generation, None
+        self.state = Pending(e.generation, e.noticed, [], dict(e.kept), lost=lost)
+        return [*verdict, SegmentStarted(e.noticed, e.generation, smaller=True),
+                Note(f"in-process recovery, generation {e.generation}: the ranks here go on as a world of "
+                     f"{len(e.kept)} without rank(s) {lost}")]
+
+    def _left(self, e: GroupLeft) -> list[Action]:
+        nodes = ", ".join(e.nodes)
+        return self._decide(Failure(0, "node", e.step, key="node restarted the group", message=(
+            f"node(s) {nodes} left the worker group to meet again (a failure there): the ranks here wait for "
+            f"ranks that are gone")), "", "restart")
+
+    # ------------------------------------------------------------------ the parts
+    def _decide(self, failure: Failure, traceback: str, path: str) -> list[Action]:
+        """Record the failure and ask the restart policy: [Record, Proceed | Stop]."""
+        decision = self.policy.decide(failure)
+        if not decision.restart:
+            return [Record(failure, traceback, path), Stop(decision)]
+        what = ("going on without them" if failure.cause == "node" and path == "in-process" else
+                f"restarting {'the failed rank(s) alone' if path == 'in-process' else 'the worker group'}")
+        line = f"{what} (restart {self.policy.restarts} of {self.policy.max_restarts})"
+        self.backoff_s = decision.delay_s if path == "restart" else 0.0
+        return [Record(failure, traceback, path), Proceed(line, self.backoff_s)]
+
+    def _restarting(self, beats: Beats) -> list[Action]:
+        """Several nodes (`smaller`): this launcher restarts its group for a failure of its own ranks; the other
+        nodes' launchers hear it and wait for the group at the rendezvous, instead of going on without this
+        node after NODE_LOST_S and restarting again."""
+        return [Announce(self.next_generation(beats))] if self.mode.smaller else []
+
+    @staticmethod
+    def _fallback(why: str, rank: int) -> list[Action]:
+        return [Note(f"in-process recovery not possible: {why}; restarting the whole worker group",
+                     event="in_process_fallback", fields=dict(why=why, rank=rank))]
+
+    def _fall_back_stuck(self, rank: int, why: str, beats: Beats, step: int) -> list[Action]:
+        """The recovery under way cannot finish: the ranks it waited for in vain print their stacks, and the
+        whole group restarts."""
+        waited = {r: b for r, b in beats.items() if b.get("phase") != "recover"}
+        failure = Failure(rank, "hang", step, message=why, key="in-process recovery stuck")
+        return [*self._fallback(why, rank), PrintStacks(waited, "did not come to the recovery"),
+                *self._decide(failure, "", "restart"), Restart()]
+
+    def _overdue(self, now: float) -> tuple[int, str] | None:
+        """(the rank it replaced, why) once the pending recovery has taken longer than RECOVERY_BOUND_S."""
+        p = self.pending
+        if p is None or now - p.noticed <= RECOVERY_BOUND_S:
+            return None
+        self.state = Idle()
+        return (p.replaced or p.lost or [0])[0], (f"the in-process recovery of generation {p.generation} did not "
+                                                  f"finish within {RECOVERY_BOUND_S:.0f}s")
+
+    def _unaware(self, e: Tick) -> dict[int, int]:
+        """The survivors here (rank -> pid) still training in the failed generation UNAWARE_S after the
+        failure was noticed, not reported yet."""
+        p = self.pending
+        if p is None or p.lost or e.now - p.noticed < UNAWARE_S:
+            return {}
+        kept = set(p.kept.values())
+        return {rank: b["pid"] for rank, b in e.beats.items()
+                if b.get("pid") in kept and rank not in p.unaware and b.get("phase") != "recover"
+                and b.get("generation", 0) < p.generation and b.get("recovering", 0) < p.generation}
+
+    def _stuck_unaware(self, e: Tick) -> tuple[int, str] | None:
+        """On one node, when none of the survivors noticed: with no survivor to take its settings from, the
+        recovery cannot go on (it is dropped)."""
+        p, found = self.pending, self._unaware(e)
+        if not found or not self.mode.single_node or set(found.values()) != set(p.kept.values()):
+            return None
+        self.state = Idle()
+        return p.replaced[0], f"no rank noticed the failure of generation {p.generation - 1} within {UNAWARE_S:.0f}s"
+
+    def _kill_unaware(self, e: Tick) -> list[Action]:
+        """Kill the survivors that never noticed: they are replaced in the same generation (each once)."""
+        found, p = self._unaware(e), self.pending
+        if not found:
+            return []
+        p.unaware |= set(found)
+        p.dead_pids = p.dead_pids | set(found.values())  # the watchdog does not judge them meanwhile
+        actions: list[Action] = []
+        for rank, pid in found.items():
+            actions += [Note(f"rank {rank} (pid {pid}) still trains in the failed generation {UNAWARE_S:.0f}s after "
+                             f"the failure (blocked where no error reaches it): killing it, to start it again too",
+                             event="in_process_unaware", fields=dict(rank=rank, pid=pid, generation=self.generation)),
+                        Kill(rank, pid)]
+        return actions
+
+    def _lost_node(self, e: Tick) -> PublishSmallerWorld | None:
+        """Every rank of this node has been recovering for NODE_LOST_S (NODE_HANDLED_S when the lost ranks'
+        launcher said it handles their failure), with no failure of this node's under way: their node is lost."""
+        if not self.mode.smaller or self.pending is not None or not e.local_ranks:
+            return None
+        waiting = [e.beats.get(rank, {}) for rank in e.local_ranks]
+        if not all(b.get("phase") == "recover" and b.get("recovering") for b in waiting):
+            return None
+        noticed = min(b.get("t_error") or e.now for b in waiting)
+        generation = max(b["recovering"] for b in waiting)
+        waited = e.now - noticed
+        if waited < NODE_LOST_S or (waited < NODE_HANDLED_S and e.handled(generation)):
+            return None
+        return PublishSmallerWorld(generation, min(noticed, self.told.since if self.told else noticed), e.beats)

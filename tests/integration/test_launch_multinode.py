@@ -1,0 +1,296 @@
+"""Two launchers training one job over a loopback c10d rendezvous, for real: a node silent without a word
+(gone on without, rejoining when it wakes), a rank failed on a live node, the job moving down the
+--rdzv-endpoint list when the rendezvous host is lost, a spare beyond --nnodes MAX, a signal while waiting
+for the other nodes, a node joining; and the stores listening on loopback only. A SIGKILLed or SIGSTOPped
+rank of one node: tests/integration/test_in_process.py (in process) and test_warm_restarts.py (a full warm
+restart). Every process is real (torch's elastic agent, gloo ranks); every wait is bounded, on the ledger
+or the heartbeats."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import freeze_tree, kill_tree, rendezvous_host
+from tests.helpers import (
+    finish,
+    free_port,
+    launch,
+    node_beat,
+    read_metrics,
+    wait_for_event,
+    wait_for_one_group,
+    wait_for_step,
+)
+from trainer.runtime.protocol import read_events, read_heartbeats
+
+
+def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wakes(cache_dir, tmp_path):
+    """--nnodes 1:2, each node with its own memory directory: SIGSTOP the second node's launcher, fork server
+    and rank (a node frozen or without power: its connections stay open and nothing fails in the
+    collectives its peer waits in; a crash's SIGKILL, which closes them, is the Slurm test's and
+    bench_node_loss's). The first node's launcher finds it silent (launch.liveness): alone, but at the only
+    endpoint, it goes on; it tells its rank, which leaves its collective and goes on alone in process (world
+    1), with the same global batch, from the 2-rank memory snapshot resharded from its own part and its
+    peer copy of the other (a step or two back; no durable checkpoint but the last). Then SIGCONT (a VM
+    that was frozen): the woken node does not take its own pause for the store's silence (it would exit
+    75), its rank ends itself if its collective never fails (regroup.STUCK_S), and it rejoins: both finish
+    in a world of 2 again."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
+    slow = {"REKINDLE_SLOW_RANK": "0:0.4@40-75"}  # after going on alone: 14 s for the woken node to rejoin
+
+    def node(name: str) -> subprocess.Popen:
+        return launch(tmp_path, ["train.steps=100", "checkpoint.every=200", "checkpoint.memory_every=1",
+                                 f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}", "fault.straggler_factor=0"],
+                      nproc=1, extra_args=args, env=slow)
+
+    procs = [node("a"), node("b")]  # at once: both within the rendezvous's last call (3 s), both take part
+    wait_for_event(tmp_path, "rendezvous", count=2, launchers=procs)  # both at the rendezvous store
+    wait_for_one_group(tmp_path, procs, 15)
+    h = rendezvous_host(tmp_path, procs)  # lose the other one: the job goes on at the same endpoint
+    host, guest = procs[h], procs[1 - h]
+    try:
+        frozen = freeze_tree(guest.pid)  # the launcher, its fork server and its rank
+        lost = time.time()
+        # The survivor's heartbeat goes under its new number, as the launcher now knows it (it may have been 1).
+        wait_for_event(tmp_path, "resume", timeout=60, launchers=[host])
+        (directory,) = tmp_path.glob(f"heartbeats-*{host.pid}-*")
+        beats = read_heartbeats(directory)
+        assert list(beats) == [0] and beats[0]["generation"] == 1, beats
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        woke = time.time()
+        out, guest_out = finish(host), finish(guest, timeout=60)
+    finally:
+        kill_tree(guest.pid)
+    assert (host.returncode, guest.returncode) == (0, 0), (out[-3000:], guest_out[-3000:])
+    events = read_events(tmp_path)
+    guest_node = f"{socket.gethostname()}:{guest.pid}"
+    silent = [e for e in events if e["event"] == "partition"]
+    assert [(e["silent"], e["live"], e["group_size"]) for e in silent] == [([guest_node], 1, 2)], silent
+    assert 4 < silent[0]["time"] - lost < 15, (lost, silent)  # liveness.LOST_S (from its last count), not a timeout
+    resume = next(e for e in events if e["event"] == "resume")
+    assert resume["tier"] == "memory-reshard" and resume["lost_steps"] <= 2 and resume["step"] >= 14, resume
+    assert (resume["path"], resume["replaced"]) == ("in-process", []) and resume["time"] - lost < 20, resume
+    assert 4 < resume["recovery_s"] < 20, resume  # from the lost node's last sign of life: the silence counts
+    assert "memory snapshot of 2 rank(s)" in out and "resharded to 1" in out, out[-3000:]
+    assert re.search(r"going on in process as rank 0 of 1 \(was rank [01] of 2\)", out), out[-3000:]
+    assert "telling the ranks here to leave generation 0" in out and "going on without them" in out, out[-3000:]
+    failure = next(e for e in events if e["event"] == "failure")
+    assert (failure["cause"], failure["path"]) == ("node", "in-process") and failure["rank"] in (0, 1), failure
+    # The woken node rejoined: the survivor restarted its group with it (a node waiting), a world of 2 again.
+    rejoined = [e for e in events if e["event"] == "restart" and e["node"] != guest_node and e["time"] > woke]
+    assert [e["reason"] for e in rejoined] == ["membership change"], rejoined
+    assert out.count("world 2 (gloo") == 2 and "world 1 (gloo" in out, out[-3000:]
+    assert "the rendezvous endpoint" not in guest_out and "frame #" not in guest_out, guest_out[-3000:]  # not cut off
+    assert rejoined[0]["time"] - woke < 15 + 5, (woke, rejoined)  # regroup.STUCK_S at worst, and a restart
+    # The survivor committed what it trained alone before restarting with it (an emergency checkpoint): nothing
+    # lost, where restarting at once would have gone back to the snapshot both worlds share.
+    again = [e for e in events if e["event"] == "resume" and e["time"] > rejoined[0]["time"]]
+    assert len(again) == 2 and all(e["lost_steps"] == 0 and e["tier"] == "durable" for e in again), again
+    assert all(e["step"] > resume["step"] for e in again), (resume, again)  # what it trained alone, kept
+    assert read_metrics(tmp_path)[100]["step"] == 100
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_rank_failed_on_a_live_node_restarts_both_together_and_its_node_is_not_taken_for_lost(
+        cache_dir, tmp_path, sig):
+    """--nnodes 1:2, one rank per node: SIGKILL one node's rank, or SIGSTOP it (a hang, which that node's
+    watchdog finds after its fault.hang_timeout_s of 2 s, the other's being 60 s); its launcher lives. That
+    launcher restarts its group (a failed rank of a multi-node job) and first says so on the ranks' store
+    (`announce_failure(handled=True)`), so the other node's launcher, whose rank waits for the lost one, does
+    not take the node for lost after launch.inprocess.NODE_LOST_S (without the word it went on alone in a
+    world of 1 after 0.4 s, then had to restart again to take the node back; a hang did so until its restart
+    said it too): it finds the node gone to meet again (0.9 s after a kill here) and restarts with it. Both
+    resume at the same step from memory, a world of 2. (Without the word the hung case failed 3 of 6 runs:
+    the other failed when node b took longer than 0.4 s to meet again.)"""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=live-node"]
+    overrides = ["train.steps=60", "checkpoint.every=200", "checkpoint.memory_every=1", "fault.straggler_factor=0"]
+
+    def node(name: str, hang_timeout_s: int) -> subprocess.Popen:
+        return launch(tmp_path, [*overrides, f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}",
+                                 f"fault.hang_timeout_s={hang_timeout_s}"], nproc=1, extra_args=args)
+
+    procs = [node("a", 60), node("b", 2)]  # at once: both within the rendezvous's last call (3 s), both take part
+    try:
+        wait_for_event(tmp_path, "rendezvous", count=2, launchers=procs)  # both at the rendezvous store
+        wait_for_one_group(tmp_path, procs, 15)
+        # A killed rank: the guest's (not the rendezvous host's); a hung one: node b's, whose watchdog finds it.
+        failed = procs[1 - rendezvous_host(tmp_path, procs)] if sig == signal.SIGKILL else procs[1]
+        os.kill(node_beat(tmp_path, failed.pid)["pid"], sig)
+        outs = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    events = read_events(tmp_path)
+    failed_node = f"{socket.gethostname()}:{failed.pid}"
+    failures = {e["node"] == failed_node: (e["cause"], e["path"]) for e in events if e["event"] == "failure"}
+    cause = "signal" if sig == signal.SIGKILL else "hang"
+    assert failures == {True: (cause, "restart"), False: ("node", "restart")}, events
+    assert "going on without them" not in "".join(outs) and "world 1 (gloo" not in "".join(outs), outs[0][-3000:]
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert len(resumes) == 2 and len({e["step"] for e in resumes}) == 1, resumes
+    assert all(e["tier"].startswith("memory") and e["lost_steps"] <= 1 for e in resumes), resumes
+    assert not [e for e in events if e["event"] == "restart" and e["reason"] != "failure"], events
+    assert read_metrics(tmp_path)[60]["step"] == 60
+
+
+def test_the_job_moves_down_the_endpoint_list_when_the_rendezvous_host_is_lost(cache_dir, tmp_path):
+    """`--rdzv-endpoint A,B`: two launchers meet at A, hosted by the first. SIGKILL it with everything below
+    it: the other moves to B (hosting it now), goes on alone (`--nnodes 1:2`) from the newest state and
+    finishes (exit 0), with no C++ stack frames; the ledger names the host, the loss and the move."""
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={first},{second}", "--rdzv-id=host-moves"]
+    overrides = ["train.steps=60", "checkpoint.every=20", "checkpoint.memory_every=1", "train.eval_every=0"]
+    # At once: both within the rendezvous's last call (3 s), both take part.
+    procs = [launch(tmp_path, overrides, nproc=1, extra_args=args) for _ in range(2)]
+    wait_for_event(tmp_path, "rendezvous", count=2, launchers=procs)  # both at the rendezvous store A
+    wait_for_one_group(tmp_path, procs, 8)
+    h = rendezvous_host(tmp_path, procs)
+    host, guest = procs[h], procs[1 - h]
+    kill_tree(host.pid)
+    lost = time.time()
+    out = finish(guest, timeout=120)
+    assert guest.returncode == 0, out[-4000:]
+    assert f"the rendezvous endpoint {first} stopped answering" in out and f"moving to {second}" in out, out[-4000:]
+    assert "frame #" not in out and "launcher error" not in out, out[-4000:]
+    events = read_events(tmp_path)
+    meetings = [(e["endpoint"], e["hosted"]) for e in events if e["event"] == "rendezvous"]
+    assert sorted(meetings[:2]) == [(first, False), (first, True)] and meetings[2:] == [(second, True)], meetings
+    moved = [e for e in events if e["event"] == "rendezvous_lost"]
+    assert [(e["endpoint"], e["next"]) for e in moved] == [(first, second)], moved
+    after_move = events[events.index(moved[0]):]
+    resume = next((e for e in after_move if e["event"] == "resume"), None)
+    assert resume is not None and resume["lost_steps"] <= 1, (round(lost, 2), after_move)
+    assert events[-1]["event"] == "done" and events[-1]["exit_code"] == 0, events[-1]
+    assert read_metrics(tmp_path)[60]["step"] == 60
+
+
+def test_two_launchers_train_one_job_and_a_spare_beyond_max_nodes_exits_0_in_one_line(cache_dir, tmp_path):
+    """`--nnodes 2` over a loopback rendezvous: two launchers train one job (world 2). A third, started once
+    they train, waits (torch's redundancy list, its fork server up) and, when the job ends, exits 0 saying
+    so in one line, with no store error and no C++ stack frames."""
+    args = ["--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes"]
+    overrides = ["train.steps=30", "checkpoint.every=15", "train.eval_every=0", "fault.straggler_factor=0"]
+    slow = {"REKINDLE_SLOW_RANK": "0:0.5@1-16"}  # a window of 8 s for the spare to start in
+    nodes = [launch(tmp_path, overrides, nproc=1, extra_args=args, env=slow) for _ in range(2)]
+    wait_for_step(tmp_path, 2)
+    spare = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    # The spare's start (imports), then into the rendezvous, where it finds the job full.
+    wait_for_event(tmp_path, "spare_waiting", timeout=60, launchers=[*nodes, spare])
+    assert all(p.poll() is None for p in [*nodes, spare]), "the job ended before the spare waited"
+    outs = [finish(p, timeout=120) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert "world 2 (gloo" in "".join(outs), outs
+    assert json.loads((tmp_path / "checkpoints" / "step-00000030" / "COMMIT.json").read_text())["world"] == 2
+    out = finish(spare, timeout=60)
+    assert spare.returncode == 0, out[-3000:]
+    assert "the job finished (step 30 committed) while this node waited to join: nothing left to do here" in out, \
+        out[-3000:]
+    assert "frame #" not in out and "Traceback" not in out and "launcher error" not in out, out[-3000:]
+    assert "worker(s) started" not in out and "this node waits as a spare" in out, out[-3000:]
+
+
+def test_signal_while_waiting_for_other_nodes_stops_the_launcher(cache_dir, tmp_path):
+    """--nnodes 2 with only one launcher: it waits in the rendezvous (join timeout 900s); SIGINT ends it."""
+    proc = launch(tmp_path, ["train.steps=4"], nproc=1,
+                  extra_args=["--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone"])
+    # Its start (imports: seconds on a busy machine), then at the rendezvous store, waiting for the other node.
+    wait_for_event(tmp_path, "start", timeout=60, launchers=[proc])
+    wait_for_event(tmp_path, "rendezvous", timeout=60, launchers=[proc])
+    assert proc.poll() is None
+    signalled = time.time()
+    os.kill(proc.pid, signal.SIGINT)
+    out = finish(proc, timeout=30)
+    assert time.time() - signalled < 8, out[-3000:]
+    assert proc.returncode == 75 and "no worker group is running: stopping now" in out, out[-3000:]
+
+
+def test_a_node_joining_loses_no_step_and_a_node_restarting_the_group_is_a_failure(cache_dir, tmp_path):
+    """--nnodes 1:2: a second launcher joins a running job. The first group gets SIGTERM and commits
+    an emergency checkpoint (no periodic one is due), and the 2-node group resumes from exactly there.
+    Then the guest's rank is SIGKILLed while the host's is SIGSTOPped (it cannot fail by itself): the
+    guest's launcher restarts the group and waits to meet again. The host's takes that for a failure and
+    restarts at once, not for a node joining (SIGTERM, then a 30 s grace that the stopped rank never ends)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=scale-up"]
+    overrides = ["train.steps=400", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
+    host = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    alone = wait_for_step(tmp_path, 10)
+    guest = launch(tmp_path, overrides, nproc=1, extra_args=args)
+    joined = wait_for_event(tmp_path, "resume", timeout=120, launchers=[host, guest])  # the 2-node group's
+    beats = wait_for_one_group(tmp_path, [host, guest], joined[0]["step"] + 5)
+    # The ranks name their coordination store after the group's rendezvous round: the same on both nodes, and
+    # new after the membership change (which torchelastic's restart count is not: a failure noticed before
+    # it would be seen again by the new group's ranks).
+    assert beats[0]["group"] == beats[1]["group"] != alone["group"], (alone, beats)
+    os.kill(beats[0]["pid"], signal.SIGSTOP)
+    os.kill(beats[1]["pid"], signal.SIGKILL)
+    killed = time.time()
+    outs = [finish(host, timeout=240), finish(guest, timeout=240)]
+    assert host.returncode == 0 and guest.returncode == 0, outs[0][-3000:] + outs[1][-3000:]
+    events = read_events(tmp_path)
+    drained = next(e for e in events if e["event"] == "restart")
+    assert drained["reason"] == "membership change"
+    commits = [e["step"] for e in events if e["event"] == "commit"]
+    resume = next(e for e in events if e["event"] == "resume")
+    assert resume["reason"] == "membership change" and resume["lost_steps"] == 0, resume
+    assert resume["step"] == commits[0] > 10, (resume, commits)
+    assert "world 2 (gloo" in outs[0] + outs[1]
+
+    later = [e for e in events if e["time"] > killed]
+    host_node = f"{socket.gethostname()}:{host.pid}"
+    failures = [e for e in later if e["event"] == "failure" and e["node"] == host_node]
+    assert [e["cause"] for e in failures] == ["node"] and "left the worker group" in failures[0]["message"], later
+    assert failures[0]["time"] - killed < 10, later  # not the drain's 30 s
+    assert [e["reason"] for e in later if e["event"] == "restart"] == ["failure", "failure"], later
+    assert [e["node"] for e in later if e["event"] == "resume"], later
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """The local addresses (ip:port) of the TCP sockets these processes listen on, from /proc."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    found = set()
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addr, port = fields[1].split(":")
+                raw = bytes.fromhex(addr)
+                ip = ".".join(str(b) for b in raw[::-1]) if size == 4 else ipaddress.IPv6Address(
+                    b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))).compressed
+                found.add(f"{ip}:{int(port, 16)}")
+    return found
+
+
+def test_stores_listen_on_loopback_only(cache_dir, tmp_path):
+    """A single-node run: the launcher's rendezvous store and rank 0's process-group store are reachable
+    from this machine only (torch's TCPStore alone would listen on every interface)."""
+    proc = launch(tmp_path, ["train.steps=200", "checkpoint.every=1000"])
+    wait_for_step(tmp_path, 3)
+    beats = next(read_heartbeats(d) for d in tmp_path.glob("heartbeats-*"))
+    addresses = listening_addresses([proc.pid, *(b["pid"] for b in beats.values())])
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc, timeout=60)
+    assert len(addresses) >= 2, (addresses, out[-2000:])  # the rendezvous store and the group's store
+    assert all(a.startswith(("127.", "::1:")) for a in addresses), addresses

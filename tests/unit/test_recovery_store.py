@@ -1,0 +1,69 @@
+"""The launcher's side of the ranks' coordination store (launch.recovery.store), on a real TCP store: hearing
+that another launcher handles its ranks' failure, and telling the ranks, with no connection tried where
+nothing listens (one would print torch's C++ frames and wait seconds)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+
+from common.clock import wait_until
+from launch.liveness import Liveness
+from launch.recovery.store import HandledQuery, announce
+from tests.fixtures import free_port
+from trainer.contract import COORD_STORE_ENV, announce_failure, coordination_store, failure_handled, tcp_store_server
+
+
+class Agent:
+    """The part of launch.agent.SupervisedAgent that the store helpers ask."""
+
+    def round(self) -> str:
+        return "r1"
+
+    def run_id(self) -> str:
+        return "job"
+
+
+@pytest.fixture
+def store_at(monkeypatch):
+    server = tcp_store_server("127.0.0.1", 0, None, timedelta(seconds=5), wait_for_workers=False)
+    where = f"127.0.0.1:{server.port}"
+    monkeypatch.setenv(COORD_STORE_ENV, where)
+    yield where
+    del server
+
+
+def test_a_launcher_hears_that_another_handles_its_ranks_failure(store_at, monkeypatch, capfd):
+    liveness = Liveness(store_at, "node-a").start()  # asked only while the store answers
+    try:
+        assert wait_until(liveness.answering, 10.0, 0.05), "the store never answered"
+        handled = HandledQuery()
+        store = coordination_store(store_at, "job", "r1", 5.0)
+        assert not handled(Agent(), 3, liveness)
+        announce_failure(store, 3, by="0")  # the ranks that noticed say so: not their launcher
+        assert not handled(Agent(), 3, liveness)
+        announce_failure(store, 2, handled=True)
+        assert not handled(Agent(), 3, liveness)  # another generation's announcement
+        announce_failure(store, 3, handled=True)
+        assert handled(Agent(), 3, liveness)
+        assert HandledQuery()(Agent(), 3, None)  # no liveness: not asked (the coordinator's bound decides)
+        monkeypatch.setenv(COORD_STORE_ENV, f"127.0.0.1:{free_port()}")  # nobody listens there
+        assert HandledQuery()(Agent(), 4, liveness)
+        assert "frame #" not in capfd.readouterr().err  # no connection was tried where nothing listens
+    finally:
+        liveness.stop()
+
+
+def test_telling_the_ranks_reaches_a_live_store_and_tries_no_connection_to_a_gone_one(store_at, monkeypatch, capfd):
+    def told() -> bool:
+        return not any(t.name == "tell-the-ranks" for t in threading.enumerate())
+
+    announce(Agent(), 4, handled=True)
+    assert wait_until(told, 10.0, 0.02), "the announcement did not end"
+    assert failure_handled(coordination_store(store_at, "job", "r1", 5.0), 4)
+    monkeypatch.setenv(COORD_STORE_ENV, f"127.0.0.1:{free_port()}")  # its host is gone
+    announce(Agent(), 5, handled=True)
+    assert wait_until(told, 2.0, 0.02), "an announcement to a gone store waited"
+    assert "frame #" not in capfd.readouterr().err
