@@ -70,7 +70,7 @@ class _WorkerBatches(IterableDataset):
         stream.state = copy.copy(self.stream.state)
         j = worker
         while True:
-            stream.state.samples_consumed = self.start + j * self.group * stream.global_batch
+            stream.state.samples_consumed = self.start + j * self.group * stream.geometry.global_batch
             out = []
             for _ in range(self.group):
                 tokens = stream.next_batch()
@@ -138,7 +138,7 @@ class BatchLoader:
         # Batches per message from a worker: enough tokens that the fixed per-message cost (pickling,
         # pipe and wake-ups; docs/performance.md, "Data loading and checkpoint I/O") stays small next
         # to the data; 1 without workers.
-        tokens = stream.local_batch * (stream.seq_len + 1)
+        tokens = stream.geometry.local_batch * (stream.geometry.seq_len + 1)
         self.group = 1 if num_workers == 0 else max(1, min(16, -(-MESSAGE_TOKENS // tokens)))
 
     def _start(self) -> Iterator:
@@ -162,7 +162,7 @@ class BatchLoader:
         if not self._ready:
             self._ready.extend(next(self._it))
         batch = _to_torch(self._ready.popleft())
-        self.stream.state.samples_consumed += self.stream.global_batch
+        self.stream.state.samples_consumed += self.stream.geometry.global_batch
         return batch
 
     def close(self) -> None:

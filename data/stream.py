@@ -64,36 +64,47 @@ class BatchWithPositions:
     loss_mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class BatchGeometry:
+    """How the training stream is cut into this rank's batches: samples of `seq_len` + 1 tokens, global
+    batches of `global_batch` samples, of which rank `rank` of `world` takes a contiguous slice of
+    `local_batch` samples. Fixed for a stream's life."""
+
+    seq_len: int
+    global_batch: int
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.world
+
+
 @dataclass
 class StreamState:
+    """Where the stream is: the global training samples consumed so far (the data state's position)."""
+
     samples_consumed: int = 0
 
 
 class TokenStream:
-    """This rank's view of the global training order (see the module docstring).
+    """This rank's view of the global training order (see the module docstring): fixed, its `geometry` (how
+    the stream is cut into this rank's batches), the seed of its order and the held-out split (`n_val`
+    samples of every `val_fraction`, the rest `n_train`); changing, its position (`state`).
 
     `shuffle_window` blocks (shards) are mixed at a time; keep the ShardSet's `cache_shards` at least
     2 x shuffle_window for remote data so each shard is fetched about once per epoch.
     """
 
-    def __init__(
-        self,
-        shards: ShardSet,
-        seq_len: int,
-        global_batch: int,
-        seed: int,
-        rank: int = 0,
-        world: int = 1,
-        val_fraction: float = 0.01,
-        shuffle_window: int = 4,
-    ) -> None:
+    def __init__(self, shards: ShardSet, geometry: BatchGeometry, seed: int, val_fraction: float = 0.01,
+                 shuffle_window: int = 4) -> None:
+        seq_len, global_batch = geometry.seq_len, geometry.global_batch
         if shuffle_window < 1:
             raise ValueError(f"shuffle_window must be at least 1 block; got {shuffle_window}")
-        if global_batch % world:
-            raise ValueError(f"global batch {global_batch} is not divisible by world size {world}")
-        self.shards, self.seq_len, self.global_batch = shards, seq_len, global_batch
+        if global_batch % geometry.world:
+            raise ValueError(f"global batch {global_batch} is not divisible by world size {geometry.world}")
+        self.shards, self.geometry, self.seed = shards, geometry, seed
         self.manifest_sha256 = shards.manifest.sha256()  # in every state_dict (each memory snapshot's)
-        self.seed, self.rank, self.world = seed, rank, world
         n_samples = (len(shards) - 1) // seq_len
         self.n_val = int(n_samples * val_fraction) if val_fraction > 0 else 0
         if val_fraction > 0:
@@ -111,10 +122,6 @@ class TokenStream:
         self._block_first = np.minimum(-(-shards.starts // seq_len), self.n_train)
         self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # epoch -> (blocks, window starts)
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()  # a few recent windows
-
-    @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.world
 
     @property
     def epoch(self) -> int:
@@ -153,10 +160,11 @@ class TokenStream:
 
     def block_of(self, sample_ids: np.ndarray) -> np.ndarray:
         """The block (shard) each training sample belongs to: the shard of its first token."""
-        return np.asarray(self.shards.shard_of(np.asarray(sample_ids, dtype=np.int64) * self.seq_len))
+        return np.asarray(self.shards.shard_of(np.asarray(sample_ids, dtype=np.int64) * self.geometry.seq_len))
 
     def _samples(self, indices: np.ndarray) -> torch.Tensor:
-        rows = [self.shards.read(int(i) * self.seq_len, self.seq_len + 1) for i in indices]
+        seq_len = self.geometry.seq_len
+        rows = [self.shards.read(int(i) * seq_len, seq_len + 1) for i in indices]
         return torch.from_numpy(np.stack(rows))
 
     def sample_indices(self, position: int, count: int) -> np.ndarray:
@@ -175,8 +183,9 @@ class TokenStream:
 
     def next_batch(self) -> torch.Tensor:
         """This rank's slice of the next global batch: (global_batch / world, seq_len + 1) int64."""
-        indices = self.sample_indices(self.state.samples_consumed + self.rank * self.local_batch, self.local_batch)
-        self.state.samples_consumed += self.global_batch
+        g = self.geometry
+        indices = self.sample_indices(self.state.samples_consumed + g.rank * g.local_batch, g.local_batch)
+        self.state.samples_consumed += g.global_batch
         return self._samples(indices)
 
     def positions(self, batch: torch.Tensor) -> torch.Tensor:
@@ -198,16 +207,17 @@ class TokenStream:
         """This rank's slice of held-out batch j (a fixed set, cycled if the split is small)."""
         if self.n_val == 0:
             raise ValueError("no held-out samples: data.val_fraction is 0")
-        start = j * self.global_batch + self.rank * self.local_batch
-        positions = np.arange(start, start + self.local_batch) % self.n_val
+        g = self.geometry
+        start = j * g.global_batch + g.rank * g.local_batch
+        positions = np.arange(start, start + g.local_batch) % self.n_val
         return self._samples(self.n_train + positions)
 
     def state_dict(self) -> dict:
         return {
             "samples_consumed": self.state.samples_consumed,
             "seed": self.seed,
-            "global_batch": self.global_batch,
-            "seq_len": self.seq_len,
+            "global_batch": self.geometry.global_batch,
+            "seq_len": self.geometry.seq_len,
             "order": f"{ORDER}/{self.shuffle_window}",
             "manifest_sha256": self.manifest_sha256,
             "n_train": self.n_train,  # set by data.val_fraction: the epoch length and the held-out samples
@@ -229,9 +239,9 @@ class TokenStream:
                 "already trained on would be held out for evaluation)"
             )
         consumed = int(state["samples_consumed"])
-        if consumed % self.global_batch:
+        if consumed % self.geometry.global_batch:
             raise DataStateError(
                 f"saved data state consumed {consumed} samples, not a multiple of the global batch "
-                f"{self.global_batch}: the global batch changed since the checkpoint"
+                f"{self.geometry.global_batch}: the global batch changed since the checkpoint"
             )
         self.state = StreamState(samples_consumed=consumed)

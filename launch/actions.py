@@ -113,7 +113,9 @@ def _ask(s: Supervisor, a: CheckHangs | PublishSmallerWorld) -> list[Action]:
         if hang is None:
             return []
         failure = failures.from_hang(hang, s.cfg.checkpoint_dir)
-        return s.coordinator.handle(HangFound(failure, hang.pid, hang.state == "gone", a.beats, a.now))
-    kept = {lr: a.beats[rank]["pid"] for lr, rank in s.agent.global_ranks().items() if rank in a.beats}
+        return s.coordinator.handle(HangFound(failure=failure, pid=hang.pid, gone=hang.state == "gone", beats=a.beats,
+                                              now=a.now))
+    kept = {lr: a.beats[rank].pid for lr, rank in s.agent.global_ranks().items() if rank in a.beats}
     lost, why = store.smaller_world(s.agent, a.generation, s.opts.min_nodes)
-    return s.coordinator.handle(WorldPublished(a.generation, a.noticed, kept, tuple(lost), why, s.last_step() + 1))
+    return s.coordinator.handle(WorldPublished(generation=a.generation, noticed=a.noticed, kept=kept, lost=tuple(lost),
+                                               why=why, step=s.last_step() + 1))

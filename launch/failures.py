@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.errors import says_collective_failed, says_peer_lost
-from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE
+from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, HeartbeatRecord
 
 if TYPE_CHECKING:
     from launch.watchdog import Hang
@@ -145,22 +145,22 @@ def root_cause(exits: dict[int, RankExit], victims: set[int]) -> RankExit:
     return min(causes, key=blame_order)
 
 
-def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, dict],
+def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, HeartbeatRecord],
                last_step: int) -> tuple[Failure, str]:
     """The group's failure, blamed on its root cause, and a traceback excerpt ('' if none applies).
     `beats`: the attempt's heartbeat records by rank (the step a rank was on); `last_step`: the step
     to assume for a rank without one."""
     cause = root_cause(exits, victims)
-    step = beats.get(cause.rank, {}).get("step", last_step) + 1
+    step = (beats[cause.rank].step if cause.rank in beats else last_step) + 1
     if cause.killed:
         return Failure(cause.rank, "signal", step, cause.exit_code, signal_name(cause.exit_code)), ""
     if cause.exit_code == EXIT_PREEMPTED:
         # Every rank exits 75 after a SIGTERM to any one of them: name the one that got it, which
         # says so in its heartbeat (`signalled`), when it is on this node; it need not have exited yet
         # (the first rank to exit ends the group).
-        signalled = sorted(r for r, beat in beats.items() if beat.get("signalled"))
+        signalled = sorted(r for r, beat in beats.items() if beat.signalled)
         rank = signalled[0] if signalled else cause.rank
-        step = beats.get(rank, {}).get("step", last_step) + 1
+        step = (beats[rank].step if rank in beats else last_step) + 1
         return Failure(rank, "preemption", step, cause.exit_code), ""
     if cause.exit_code == EXIT_STORAGE:  # the rank said which URL, in one line: no traceback
         return Failure(cause.rank, "storage", step, cause.exit_code, message=first_line(cause.error)), ""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.contract import append_event, cost_report
+from trainer.contract import HeartbeatRecord, append_event, cost_report
 
 
 @dataclass
@@ -55,42 +55,42 @@ class Ledger:
         self.attempts.append(Attempt(n=n, started=time.time(), interrupted_at=interrupted_at, reason=reason,
                                      path=path))
 
-    def observe(self, beat: dict) -> dict | None:
+    def observe(self, beat: HeartbeatRecord) -> dict | None:
         """Fold in the current attempt's heartbeat; returns the `resume` event once its first step is done."""
         if not self.attempts:
             return None
-        a = self.attempts[-1]
-        if a.resumed_step is None and beat.get("t_loaded"):
-            a.resumed_step = beat["resumed_step"]
-        a.last_step, a.busy_s, a.steps_run = beat["step"], beat["busy_s"], beat["steps_run"]
-        if a.first_step_at or not beat.get("t_first"):
+        a, times, progress, recovery = self.attempts[-1], beat.startup, beat.progress, beat.recovery
+        if a.resumed_step is None and times.t_loaded:
+            a.resumed_step = progress.resumed_step
+        a.last_step, a.busy_s, a.steps_run = beat.step, progress.busy_s, progress.steps_run
+        if a.first_step_at or not times.t_first:
             return None
-        a.first_step_at = beat["t_first"]
+        a.first_step_at = times.t_first
         previous = self.attempts[-2].last_step if len(self.attempts) > 1 else self.previous_last_step
         if previous is None or a.interrupted_at is None:
             return None
         since = a.interrupted_at  # this attempt's own cause, not an older failure
-        if beat.get("t_error"):  # a survivor noticed the lost peer itself, before the launcher did
-            since = min(since, beat["t_error"])
+        if recovery.t_error:  # a survivor noticed the lost peer itself, before the launcher did
+            since = min(since, recovery.t_error)
         lost = max(previous - a.resumed_step, 0)
         resume = {
             "step": a.resumed_step, "lost_steps": lost, "reason": a.reason, "path": a.path,
-            "tier": beat.get("resumed_tier", "durable"),  # memory-local | memory-peer | memory-reshard | durable | none
-            "tier_why": beat.get("tier_why", ""),
-            "recovery_s": round(beat["t_first"] - since, 3), "restart_s": round(beat["t_load"] - since, 3),
-            "load_s": round(beat["t_loaded"] - beat["t_load"], 3),
-            "first_step_s": round(beat["t_first"] - beat["t_loaded"], 3),
+            "tier": progress.resumed_tier or "durable",  # memory-local | memory-peer | memory-reshard | durable | none
+            "tier_why": progress.tier_why,
+            "recovery_s": round(times.t_first - since, 3), "restart_s": round(times.t_load - since, 3),
+            "load_s": round(times.t_loaded - times.t_load, 3),
+            "first_step_s": round(times.t_first - times.t_loaded, 3),
         }
-        if a.path == "in-process" and beat.get("t_left"):  # a survivor's account of its recovery
+        if a.path == "in-process" and recovery.t_left:  # a survivor's account of its recovery
             resume.update(
-                leave_s=round(beat["t_left"] - beat["t_error"], 3),  # out of the collective, groups left
-                wait_s=round(beat["t_joined"] - beat["t_left"], 3),  # until every rank (the replacement) arrived
-                reform_s=round(beat["t_reformed"] - beat["t_joined"], 3),  # the groups formed again
-                restore_s=round(beat["t_loaded"] - beat["t_reformed"], 3),  # the snapshot agreed on and loaded
-                replaced=beat.get("replaced", []), kept_pid=beat["pid"])
+                leave_s=round(recovery.t_left - recovery.t_error, 3),  # out of the collective, groups left
+                wait_s=round(recovery.t_joined - recovery.t_left, 3),  # until every rank (the replacement) arrived
+                reform_s=round(recovery.t_reformed - recovery.t_joined, 3),  # the groups formed again
+                restore_s=round(times.t_loaded - recovery.t_reformed, 3),  # the snapshot agreed on and loaded
+                replaced=recovery.replaced, kept_pid=beat.pid)
         else:
-            resume.update(spawn_s=round(beat["t_proc"] - since, 3),  # stop the group, rendezvous, fork/exec
-                          startup_s=round(beat["t_load"] - beat["t_proc"], 3))  # join the group, build the model
+            resume.update(spawn_s=round(times.t_proc - since, 3),  # stop the group, rendezvous, fork/exec
+                          startup_s=round(times.t_load - times.t_proc, 3))  # join the group, build the model
         self.resumes.append(resume)
         return self.event("resume", **resume)
 

@@ -110,8 +110,8 @@ class Membership:
         group = agent.group() if silent else None
         if group is None:
             return None
-        return Silence(tuple(silent), group[2], self.last_endpoint, self.liveness.last_heard(silent),
-                       self.liveness.lost_s)
+        return Silence(silent=tuple(silent), group_size=group[2], last_endpoint=self.last_endpoint,
+                       last_heard=self.liveness.last_heard(silent), lost_s=self.liveness.lost_s)
 
 
 MOVE_WAIT_S = 10.0  # how long a launcher moving down the list waits for the next endpoint's store to listen

@@ -46,6 +46,7 @@ from trainer.contract import (
     JOB_ENV,
     LAUNCHER_PID_ENV,
     Config,
+    HeartbeatRecord,
     format_cost,
 )
 
@@ -104,7 +105,7 @@ class Supervisor:
         self.preemption = Preemption()
         self.ending = Ending()
         if lost is not None:  # the first attempt resumes what it left: count its lost steps from here
-            self.ledger.previous_last_step = lost["step"]
+            self.ledger.previous_last_step = lost.step
             self.ledger.interrupted = (self.ledger.started, "launcher lost")
         self._next_check = 0.0  # when review next reads the heartbeats (every fault.heartbeat_s)
 
@@ -152,8 +153,8 @@ class Supervisor:
         beats = self.watchdog.beats(self.attempt)
         failure, tb = failures.from_exits(exits, set(), beats, self.last_step())
         # The trainers' own pids (a warm rank's torchelastic worker is its stub): single node, local = global rank.
-        running = {lr: beats[lr]["pid"] if lr in beats else pid for lr, pid in self.agent.worker_pids().items()}
-        exited = RanksExited(exits, failure, beats, running, time.time(), tb)
+        running = {lr: beats[lr].pid if lr in beats else pid for lr, pid in self.agent.worker_pids().items()}
+        exited = RanksExited(exits=exits, failure=failure, beats=beats, running=running, now=time.time(), traceback=tb)
         return carry_out(self, self.coordinator.handle(exited)).env
 
     def review(self, status: GroupStatus) -> bool:
@@ -171,11 +172,12 @@ class Supervisor:
         if self.preemption.at is not None:
             actions += self.coordinator.handle(Preempted())
         elif status.state == "failed":
-            actions += self.coordinator.handle(GroupFailed(*failures.from_exits(
-                status.exits, set(status.victims), beats, self.last_step())))
+            failure, tb = failures.from_exits(status.exits, set(status.victims), beats, self.last_step())
+            actions += self.coordinator.handle(GroupFailed(failure, traceback=tb))
         elif status.state == "healthy":
             actions += self.coordinator.handle(Tick(
-                now, beats, self.last_step() + 1, tuple(sorted(self.agent.global_ranks().values())),
+                now=now, beats=beats, step=self.last_step() + 1,
+                local_ranks=tuple(sorted(self.agent.global_ranks().values())),
                 handled=lambda generation: self.members.handled(self.agent, generation),
                 silence=self.members.silence(self.agent), can_tell=bool(os.environ.get(COORD_STORE_ENV))))
         return carry_out(self, actions).restart
@@ -183,13 +185,13 @@ class Supervisor:
     def group_left(self, nodes: list[str]) -> bool:
         """Nodes of the group restarted it (a failure there) while the ranks here ran on: a failure here too
         (launch.agent restarts at once, without a drain). False when the restart policy stops."""
-        carry_out(self, self.coordinator.handle(GroupLeft(tuple(nodes), self.last_step() + 1)))
+        carry_out(self, self.coordinator.handle(GroupLeft(nodes=tuple(nodes), step=self.last_step() + 1)))
         return self.ending.decision is None
 
     def last_step(self) -> int:
         return self.ledger.attempts[-1].last_step if self.ledger.attempts else 0
 
-    def observe(self, beat: dict) -> None:
+    def observe(self, beat: HeartbeatRecord) -> None:
         """Fold this node's representative heartbeat into the ledger; say so once a restarted group resumed."""
         event = self.ledger.observe(beat)
         if event:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.contract import is_alive, proc_stat, read_heartbeats
+from trainer.contract import HeartbeatRecord, is_alive, proc_stat, read_heartbeats
 
 log = logging.getLogger(__name__)
 
@@ -66,27 +66,27 @@ class Watchdog:
             path.unlink(missing_ok=True)
         self._cpu.clear()
 
-    def beats(self, attempt: int) -> dict[int, dict]:
+    def beats(self, attempt: int) -> dict[int, HeartbeatRecord]:
         """This attempt's heartbeat records by global rank."""
-        return {r: b for r, b in read_heartbeats(self.directory).items() if b.get("attempt") == attempt}
+        return {r: b for r, b in read_heartbeats(self.directory).items() if b.attempt == attempt}
 
     def check(self, attempt: int, now: float | None = None, ignore: frozenset[int] = frozenset()) -> Hang | None:
         """The most likely culprit when some armed rank has not finished a step within the timeout. `ignore`:
         pids of ranks known dead and being replaced (their records stand until the replacement writes)."""
         now = time.time() if now is None else now
-        beats = {r: b for r, b in self.beats(attempt).items() if b["pid"] not in ignore}
-        armed = [b for b in beats.values() if b.get("t_first")]
+        beats = {r: b for r, b in self.beats(attempt).items() if b.pid not in ignore}
+        armed = [b for b in beats.values() if b.startup.t_first]
         hangs = []
-        if any(now - b["t"] > self._limit(b.get("phase", "train")) for b in armed):
+        if any(now - b.t > self._limit(b.phase) for b in armed):
             # A stopped rank (SIGSTOP, a debugger) is the culprit even when its last step ended a moment
             # after the overdue rank's: that rank waits for it in the next collective.
-            hangs = [Hang(b["rank"], b["pid"], b["step"], now - b["t"], *self._state(b["pid"], now),
-                          phase=b.get("phase", "train")) for b in armed]
+            hangs = [Hang(b.rank, b.pid, b.step, now - b.t, *self._state(b.pid, now), phase=b.phase)
+                     for b in armed]
             hangs = [h for h in hangs if h.stale_s > self._limit(h.phase) or h.state == "stopped"]
         for b in beats.values():  # CPU time sampled about once a second tells spinning from waiting
-            stat = proc_stat(b["pid"])
-            if stat and now - self._cpu.get(b["pid"], (0.0, 0))[0] >= 1.0:
-                self._cpu[b["pid"]] = (now, stat[1])
+            stat = proc_stat(b.pid)
+            if stat and now - self._cpu.get(b.pid, (0.0, 0))[0] >= 1.0:
+                self._cpu[b.pid] = (now, stat[1])
         if not hangs:
             return None
         order = {"stopped": 0, "spinning": 1, "gone": 2, "waiting": 3}
@@ -122,7 +122,7 @@ def heartbeat_prefix(pid: int | None = None) -> str:
     return f"{_this_host()}{os.getpid() if pid is None else pid}-"
 
 
-def abandoned_progress(run_dir: str | Path) -> dict | None:
+def abandoned_progress(run_dir: str | Path) -> HeartbeatRecord | None:
     """The furthest heartbeat left by launchers of this node that no longer exist (a launcher killed
     outright never removes its directory), and their directories removed; None if there were none.
     Its `step` is the step the lost launcher's group had reached."""
@@ -132,19 +132,19 @@ def abandoned_progress(run_dir: str | Path) -> dict | None:
         if not pid.isdigit() or is_alive(int(pid)):
             continue
         for beat in read_heartbeats(directory).values():
-            if furthest is None or beat["step"] > furthest["step"]:
+            if furthest is None or beat.step > furthest.step:
                 furthest = beat
         shutil.rmtree(directory, ignore_errors=True)
     return furthest
 
 
-def print_stacks(beats: dict[int, dict], why: str) -> None:
+def print_stacks(beats: dict[int, HeartbeatRecord], why: str) -> None:
     """Have these ranks print their stacks (SIGUSR1: trainer.runtime.fault.stacks_on_sigusr1) before they
     are killed: where the ones a recovery waited for in vain, or a preemption's grace period, were stuck. Ranks
     that have exited (a rank that committed, say) are left out."""
-    beats = {rank: beat for rank, beat in beats.items() if is_alive(beat["pid"])}
+    beats = {rank: beat for rank, beat in beats.items() if is_alive(beat.pid)}
     for rank, beat in sorted(beats.items()):
-        log.info(f"rank {rank} (pid {beat['pid']}, {beat.get('phase')}) {why}: its stacks")
+        log.info(f"rank {rank} (pid {beat.pid}, {beat.phase}) {why}: its stacks")
         with contextlib.suppress(OSError):
-            os.kill(beat["pid"], signal.SIGUSR1)
+            os.kill(beat.pid, signal.SIGUSR1)
     time.sleep(0.5 if beats else 0.0)

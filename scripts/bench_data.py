@@ -91,9 +91,10 @@ def prepare_rate(tok, docs: list[str], processes: int, out: str, shard_tokens: i
 # --- 2. loader
 
 def make_stream(root: str, args, world: int = 2):
-    from data.stream import TokenStream
+    from data.stream import BatchGeometry, TokenStream
 
-    return TokenStream(ShardSet(root), args.seq_len, args.global_batch, seed=0, rank=0, world=world)
+    geometry = BatchGeometry(seq_len=args.seq_len, global_batch=args.global_batch, rank=0, world=world)
+    return TokenStream(ShardSet(root), geometry, seed=0)
 
 
 def loader_rate(root: str, args, workers: int) -> tuple[float, float]:
@@ -109,7 +110,7 @@ def loader_rate(root: str, args, workers: int) -> tuple[float, float]:
         for _ in range(args.batches):
             next(loader)
         dt = time.perf_counter() - t
-    return first, args.batches * stream.local_batch * args.seq_len / dt
+    return first, args.batches * stream.geometry.local_batch * args.seq_len / dt
 
 
 # --- 3. resume

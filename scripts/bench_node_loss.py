@@ -76,7 +76,7 @@ def last_step(run_dir: Path) -> int:
 
 def first_step_after(run_dir: Path, since: float) -> float:
     """The newest first step (heartbeat clock) any rank of the job took after `since`; nan before one."""
-    firsts = [b.get("t_first") or 0.0 for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values()]
+    firsts = [b.startup.t_first for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values()]
     first = max(firsts, default=0.0)
     return first - since if first > since else float("nan")
 

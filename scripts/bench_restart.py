@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from launch.ledger import recovery_after
-from trainer.runtime.protocol import read_events, read_heartbeats
+from trainer.runtime.protocol import HeartbeatRecord, read_events, read_heartbeats
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL_2_RANKS_S = 0.5  # in-process median at 2 ranks
@@ -88,12 +88,12 @@ class Run:
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
-    def beats(self) -> dict[int, dict]:
+    def beats(self) -> dict[int, HeartbeatRecord]:
         for directory in self.dir.glob("heartbeats-*"):
             return read_heartbeats(directory)
         return {}
 
-    def wait_for(self, what: str, ready) -> dict[int, dict]:
+    def wait_for(self, what: str, ready) -> dict[int, HeartbeatRecord]:
         """The heartbeats once `ready(beats)` holds (bounded; fails if the launcher ended)."""
         deadline = time.time() + self.args.timeout
         while time.time() < deadline:
@@ -107,39 +107,40 @@ class Run:
 
     def kill_loop(self) -> tuple[float, list[dict]]:
         """(launcher start -> first step, one row per kill)."""
-        beats = self.wait_for("first step", lambda b: all(x["t_first"] for x in b.values()))
-        first_start = max(x["t_first"] for x in beats.values()) - self.started
+        beats = self.wait_for("first step", lambda b: all(x.startup.t_first for x in b.values()))
+        first_start = max(x.startup.t_first for x in beats.values()) - self.started
         rows, era = [], era_of(beats[0])
         for i in range(self.args.kills):
             steady = self.args.steady
 
             def training(b, era=era, steady=steady) -> bool:  # steps since the recovery: the step counter
-                return all(era_of(x) == era and x["phase"] == "train" for x in b.values()) and \
-                    min(x["step"] for x in b.values()) >= max(x.get("resumed_step", 0) for x in b.values()) + steady
+                return all(era_of(x) == era and x.phase == "train" for x in b.values()) and \
+                    min(x.step for x in b.values()) >= max(x.progress.resumed_step for x in b.values()) + steady
 
             beats = self.wait_for(f"{steady} steps of {era}", training)
             step_s, beats = self.step_time(beats, era)
             rank = (i + 1) % self.nproc
             killed_at = time.time()
-            os.kill(beats[rank]["pid"], signal.SIGKILL)
+            os.kill(beats[rank].pid, signal.SIGKILL)
 
             def resumed(b, era=era) -> bool:
-                return all(era_of(x) > era and x["t_first"] for x in b.values())
+                return all(era_of(x) > era and x.startup.t_first for x in b.values())
 
             beats = self.wait_for("the first step after the kill", resumed)
             era = min(era_of(x) for x in beats.values())
-            kill_to_step = max(x["t_first"] for x in beats.values()) - killed_at
+            kill_to_step = max(x.startup.t_first for x in beats.values()) - killed_at
             rows.append({"rank": rank, "killed_at": killed_at, "kill_to_step_s": kill_to_step, "step_s": step_s,
                          "net_s": kill_to_step - step_s})
         return first_start, rows
 
-    def step_time(self, beats: dict[int, dict], era: tuple[int, int], steps: int = STEP_SAMPLE) -> tuple[float, dict]:
+    def step_time(self, beats: dict[int, HeartbeatRecord], era: tuple[int, int],
+                  steps: int = STEP_SAMPLE) -> tuple[float, dict[int, HeartbeatRecord]]:
         """An undisturbed step's time just before the kill: `steps` steps of rank 0, from the times its
         heartbeat records each step done. Returns it and the newest heartbeats."""
-        t0, s0 = beats[0]["t"], beats[0]["step"]
+        t0, s0 = beats[0].t, beats[0].step
         beats = self.wait_for(f"{steps} more steps of {era}",
-                              lambda b: era_of(b[0]) == era and b[0]["phase"] == "train" and b[0]["step"] >= s0 + steps)
-        return (beats[0]["t"] - t0) / (beats[0]["step"] - s0), beats
+                              lambda b: era_of(b[0]) == era and b[0].phase == "train" and b[0].step >= s0 + steps)
+        return (beats[0].t - t0) / (beats[0].step - s0), beats
 
     def stop(self) -> None:
         """SIGTERM: the ranks commit and exit 75 (bounded; SIGKILL after)."""
@@ -166,9 +167,9 @@ class Run:
         return out
 
 
-def era_of(beat: dict) -> tuple[int, int]:
+def era_of(beat: HeartbeatRecord) -> tuple[int, int]:
     """(restart attempt, in-process generation) of a heartbeat: it grows with every recovery."""
-    return beat["attempt"], beat.get("generation", 0)
+    return beat.attempt, beat.generation
 
 
 def median(rows: list[dict], key: str) -> float | None:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from launch.ledger import recovery_after
 from tests.fixtures import free_port, kill_tree, wait_for_rendezvous_host
 from trainer.observability import logs
-from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
+from trainer.runtime.protocol import HeartbeatRecord, read_events, read_heartbeats, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,9 +86,9 @@ class Nodes:
     def running(self) -> bool:
         return all(p.poll() is None for p in self.procs)
 
-    def beats(self) -> dict[int, dict]:
+    def beats(self) -> dict[int, HeartbeatRecord]:
         """Every rank's heartbeat from the live launchers' directories (a lost launcher's stays behind)."""
-        beats: dict[int, dict] = {}
+        beats: dict[int, HeartbeatRecord] = {}
         for proc in self.procs:
             for directory in self.run_dir.glob(f"heartbeats-*-{proc.pid}-*"):
                 beats.update(read_heartbeats(directory))
@@ -107,17 +107,17 @@ class Nodes:
         return codes[0] or max(codes, key=abs)
 
 
-def incarnation(beat: dict) -> tuple[int, int]:
+def incarnation(beat: HeartbeatRecord) -> tuple[int, int]:
     """(pid, generation of its groups): new after a restart (new processes) and after an in-process
     recovery (the survivors keep their pids, in a new generation); attempt numbers are per launcher."""
-    return beat["pid"], beat.get("generation", 0)
+    return beat.pid, beat.generation
 
 
-def steady_beats(nodes: Nodes, min_steps: int, old: set[tuple[int, int]]) -> dict[int, dict] | None:
+def steady_beats(nodes: Nodes, min_steps: int, old: set[tuple[int, int]]) -> dict[int, HeartbeatRecord] | None:
     """Every rank's heartbeat once each has run min_steps steps since it recovered from the last kill."""
     beats = nodes.beats()
     if len(beats) == nodes.args.nproc * nodes.args.nodes and \
-            all(incarnation(b) not in old and b["phase"] == "train" and b["step"] - b["resumed_step"] >= min_steps
+            all(incarnation(b) not in old and b.phase == "train" and b.step - b.progress.resumed_step >= min_steps
                 for b in beats.values()):
         return beats
     return None
@@ -176,7 +176,7 @@ def kill_plan(signals: list[str], kills: int, rng: random.Random) -> list[str]:
     return plan[:kills]
 
 
-def next_victim(nodes: Nodes, kills: list[dict], wait: float, deadline: float) -> dict[int, dict] | None:
+def next_victim(nodes: Nodes, kills: list[dict], wait: float, deadline: float) -> dict[int, HeartbeatRecord] | None:
     """Wait for a fresh attempt to train steadily, then `wait` seconds, then for a moment when every
     rank is training; the ranks' heartbeats then (None if the run ended first)."""
     old = kills[-1]["incarnations"] if kills else set()
@@ -211,15 +211,15 @@ def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: rand
         else:
             rank = rng.randrange(len(beats))
         beat = beats[rank]
-        kills.append({"signal": name, "rank": rank, "step": beat["step"], "time": time.time(),
+        kills.append({"signal": name, "rank": rank, "step": beat.step, "time": time.time(),
                       "incarnations": {incarnation(b) for b in beats.values()}})
         if name != "NODE":
-            os.kill(beat["pid"], SIGNALS[name])
-            print(f"[chaos] SIG{name} -> rank {rank} (pid {beat['pid']}) at step {beat['step']}", flush=True)
+            os.kill(beat.pid, SIGNALS[name])
+            print(f"[chaos] SIG{name} -> rank {rank} (pid {beat.pid}) at step {beat.step}", flush=True)
         else:
             nodes.lose(node)
             print(f"[chaos] node {node} lost (launcher and ranks SIGKILLed, memory deleted) at step "
-                  f"{beat['step']}; a replacement joins", flush=True)
+                  f"{beat.step}; a replacement joins", flush=True)
     return nodes.wait(deadline), kills
 
 

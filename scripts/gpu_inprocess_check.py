@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import torch
 
 from tests.fixtures import kill_tree
-from trainer.runtime.protocol import read_events, read_heartbeats
+from trainer.runtime.protocol import HeartbeatRecord, read_events, read_heartbeats
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def rank_beats(run_dir: Path) -> dict[int, dict]:
-    beats: dict[int, dict] = {}
+def rank_beats(run_dir: Path) -> dict[int, HeartbeatRecord]:
+    beats: dict[int, HeartbeatRecord] = {}
     for d in run_dir.glob("heartbeats-*"):
         beats.update(read_heartbeats(d))
     return beats
@@ -53,12 +53,12 @@ def main() -> int:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + args.timeout
     try:
-        while not (len(b := rank_beats(run_dir)) == args.gpus and all(x.get("step", 0) >= 20 for x in b.values())):
+        while not (len(b := rank_beats(run_dir)) == args.gpus and all(x.step >= 20 for x in b.values())):
             if time.time() > deadline or proc.poll() is not None:
                 print(f"gpu_inprocess_check: FAILED: the ranks did not all train (log: {run_dir}/launcher.log)")
                 return 1
             time.sleep(0.1)
-        victim = rank_beats(run_dir)[1]["pid"]
+        victim = rank_beats(run_dir)[1].pid
         kill_tree(victim)
         killed = time.time()
         proc.wait(timeout=max(deadline - time.time(), 1))

@@ -22,7 +22,7 @@ from tests import fixtures
 from tests.fixtures import free_port
 from trainer.distributed.parallel import DistInfo
 from trainer.model.transformer import ModelArgs, Transformer
-from trainer.runtime.protocol import read_events, read_heartbeats
+from trainer.runtime.protocol import HeartbeatRecord, read_events, read_heartbeats
 
 if TYPE_CHECKING:
     from data.shards import ShardSet
@@ -119,14 +119,14 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> str:
 
 
 def wait_for_step(run_dir: Path, step: int, timeout: float = 90, rank: int = 0, attempt: int | None = None,
-                  phases: tuple[str, ...] = ("train",), poll_s: float = 0.05) -> dict:
+                  phases: tuple[str, ...] = ("train",), poll_s: float = 0.05) -> HeartbeatRecord:
     """The heartbeat record of `rank` once it has finished `step` (bounded wait), in `attempt` if given,
     in one of `phases` (an eval every step leaves a rank in `train` only briefly)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for directory in run_dir.glob("heartbeats-*"):
             beat = read_heartbeats(directory).get(rank)
-            if beat and beat["step"] >= step and beat["phase"] in phases and attempt in (None, beat["attempt"]):
+            if beat and beat.step >= step and beat.phase in phases and attempt in (None, beat.attempt):
                 return beat
         time.sleep(poll_s)
     raise AssertionError(f"rank {rank} did not reach step {step} within {timeout}s")
@@ -148,22 +148,23 @@ def wait_for_event(run_dir: Path, event: str, timeout: float = 60, count: int = 
     return found
 
 
-def launcher_beats(run_dir: Path, launcher_pid: int) -> list[dict]:
+def launcher_beats(run_dir: Path, launcher_pid: int) -> list[HeartbeatRecord]:
     """The heartbeat records of the ranks a launcher runs now (its heartbeat directory's)."""
     return [b for d in run_dir.glob(f"heartbeats-*{launcher_pid}-*") for b in read_heartbeats(d).values()]
 
 
-def node_beat(run_dir: Path, launcher_pid: int) -> dict | None:
+def node_beat(run_dir: Path, launcher_pid: int) -> HeartbeatRecord | None:
     """The newest heartbeat of the ranks a launcher ran (one at a time here; None before the first)."""
-    return max(launcher_beats(run_dir, launcher_pid), key=lambda b: b["t_proc"], default=None)
+    return max(launcher_beats(run_dir, launcher_pid), key=lambda b: b.startup.t_proc, default=None)
 
 
-def wait_for_one_group(run_dir: Path, launchers: list[subprocess.Popen], step: int, timeout: float = 120) -> list[dict]:
+def wait_for_one_group(run_dir: Path, launchers: list[subprocess.Popen], step: int,
+                       timeout: float = 120) -> list[HeartbeatRecord]:
     """The launchers' ranks' newest heartbeats (one rank each) once they all train in one worker group (the
     same rendezvous round), each past `step`. A launcher slow to start on a busy machine misses the first
     round's last call and joins the next: waiting for a step alone would not see that."""
     deadline, beats = time.time() + timeout, []
-    while len(beats) < len(launchers) or len({b["group"] for b in beats}) > 1 or min(b["step"] for b in beats) < step:
+    while len(beats) < len(launchers) or len({b.group for b in beats}) > 1 or min(b.step for b in beats) < step:
         assert time.time() < deadline and all(p.poll() is None for p in launchers), beats
         time.sleep(0.05)
         beats = [b for p in launchers if (b := node_beat(run_dir, p.pid)) is not None]

@@ -2,7 +2,8 @@
 imports from trainer/ (a unit test holds it to that). What crosses:
 
   exit codes                                  common.exits (trainer.runtime.protocol re-exports them too)
-  env names, heartbeats, events               trainer.runtime.protocol: how a rank and its launcher talk
+  env names, heartbeats, events               trainer.runtime.protocol: how a rank and its launcher talk (the
+                                              heartbeat record: HeartbeatRecord, read by read_heartbeats)
   process helpers                             common.process: liveness, dying with a parent
   scratch directories                         trainer.runtime.scratch: per-process temp dirs, dead owners' swept
   atomic writes                               common.storage: temp names, a file that appears whole
@@ -40,6 +41,7 @@ from trainer.runtime.protocol import (
     HEARTBEAT_DIR_ENV,
     LAUNCHER_PID_ENV,
     ROUND_ENV,
+    HeartbeatRecord,
     append_event,
     read_heartbeats,
 )
@@ -72,8 +74,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "COORD_STORE_ENV", "GENERATION_ENV", "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED",
-    "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV", "JOB_ENV", "LAUNCHER_PID_ENV", "ROUND_ENV", "Config",
-    "ConfigError",
+    "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV", "HeartbeatRecord", "JOB_ENV", "LAUNCHER_PID_ENV", "ROUND_ENV",
+    "Config", "ConfigError",
     "append_event", "arrived_key", "atomic_file", "failed_key", "handled_key", "next_generation", "store_prefix",
     "world_key", "cost_report", "die_with_parent", "exit_now", "format_cost", "is_alive", "load",
     "logs", "proc_stat", "read_heartbeats", "scratch_prefix", "sweep_scratch", "temp_name", "validate", *_LAZY,

@@ -35,5 +35,5 @@ class Evaluator:
                 with parallel.autocast(cfg.dist, info):
                     total += model(micro[:, :-1], positions, targets=micro[:, 1:]).item() * len(micro)
         model.train()
-        n = cfg.train.eval_batches * stream.local_batch
+        n = cfg.train.eval_batches * stream.geometry.local_batch
         return parallel.all_reduce_mean([total / n], info)[0]

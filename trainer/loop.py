@@ -22,7 +22,7 @@ from trainer.records import exchange_records, log_record
 from trainer.recovery import inplace
 from trainer.recovery.regroup import Regroup
 from trainer.resume import resume, start_meters
-from trainer.run import Meters, Progress, Run, build, hold_directories, release, release_leases
+from trainer.run import Meters, ProcessParts, Progress, Run, build, hold_directories, release, release_leases
 from trainer.runtime import fault, host, protocol
 from trainer.runtime.lease import Lease
 from trainer.step import StepResult, micro_batches, train_step
@@ -49,7 +49,8 @@ def train(cfg: Config) -> dict:
     try:
         with stalls.guard("taking the leases on run.dir and checkpoint.dir", cfg.checkpoint_dir):
             leases = hold_directories(cfg, info, alone=joining is not None)
-        run = build(cfg, info, heartbeat, preemption, stalls, regroup, joining)
+        run = build(cfg, info, ProcessParts(heartbeat=heartbeat, preemption=preemption, stalls=stalls, regroup=regroup),
+                    joining)
         progress = resume(run)
         meters = start_meters(run, progress)
         while progress.state.step < cfg.train.steps:
@@ -90,7 +91,7 @@ def next_batch(run: Run, progress: Progress) -> tuple[list, float]:
     step = progress.state.step + 1
     fault.inject_faults(step, run.info.rank)
     start = time.perf_counter()
-    with run.stalls.guard("waiting for training data", run.shards.root):
+    with run.process.stalls.guard("waiting for training data", run.shards.root):
         batch = next(run.loader)
     micros = micro_batches(batch, run.micro_batch, run.cfg, run.info.device)
     data_wait = time.perf_counter() - start
@@ -112,7 +113,7 @@ def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult,
 
     evaluated = run.evaluator.due(step)
     if evaluated:
-        run.heartbeat.beat("eval")
+        run.process.heartbeat.beat("eval")
         progress.eval_loss = run.evaluator.run(run.model)
     if meters.metrics.should_log(step):
         log_record(run, meters, progress, step, result, evaluated)
@@ -120,7 +121,7 @@ def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult,
     final = step == cfg.train.steps
     saved = run.checkpointer.should_save(step, final)
     if saved:
-        run.heartbeat.beat("save")
+        run.process.heartbeat.beat("save")
         state.data = run.loader.state_dict()
         path = run.checkpointer.save(state, run.model, run.optimizer, blocking=final or not cfg.checkpoint.async_,
                                      required=final)
@@ -133,9 +134,9 @@ def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult,
             measure_memory_tier(run, meters, time.perf_counter() - step_start)
     # The step is reported done (the launcher counts lost steps from it) once its snapshot is under way:
     # a failure in the bookkeeping before it would otherwise redo a step that had been reported.
-    run.heartbeat.beat("train", step=step, busy_s=progress.busy_s, steps_run=step - progress.start_step)
-    synced = run.preemption.blocking and not final  # then agreed() waits for every rank
-    if run.preemption.agreed(step, info.world, info.device, last=final):
+    run.process.heartbeat.beat("train", step=step, busy_s=progress.busy_s, steps_run=step - progress.start_step)
+    synced = run.process.preemption.blocking and not final  # then agreed() waits for every rank
+    if run.process.preemption.agreed(step, info.world, info.device, last=final):
         emergency_checkpoint(run, meters, progress, saved)
     if step == progress.start_step + 1:
         start_up_over(run, synced)
@@ -161,22 +162,23 @@ def measure_memory_tier(run: Run, meters: Meters, step_s: float) -> None:
     """checkpoint.memory_every=auto, the first steps: time them and their snapshots, then settle on the
     interval (collective, at the same step on every rank), say it and keep it in run.dir."""
     measure, memory = meters.memory_measure, run.memory
-    measure.note(step_s, memory.call_s, memory.waited_s, memory.write_s)
+    measure.note(step_s, memory.writes.call_s, memory.writes.waited_s, memory.writes.write_s)
     if not measure.due():
         return
     memory.every, cost_s, step_s = measure.settle(run.info.world)
-    meters.memory_measure, run.memory_auto = None, False
+    meters.memory_measure, memory.measuring = None, False
     log.info("memory tier: auto chose every %d step(s): a snapshot costs %.2f ms, a step takes %.1f ms (at most "
              "%.0f%% of the steps it covers)", memory.every, cost_s * 1e3, step_s * 1e3,
              memory_auto.COST_SHARE * 100)
     if run.info.is_main:
-        memory_auto.keep_choice(run.cfg.run.dir, memory.config_sha256, memory.every)
+        memory_auto.keep_choice(run.cfg.run.dir, memory.setup.config_sha256, memory.every)
 
 
 def emergency_checkpoint(run: Run, meters: Meters, progress: Progress, saved: bool) -> None:
     """SIGTERM reached some rank: commit this step (or let its async save commit), then stop."""
     exchange_records(run, meters, progress.state.step, now=True)  # the records, before the checkpoint
-    run.heartbeat.beat("preempt", signalled=run.preemption.received)  # the launcher names the rank that got it
+    preemption = run.process.preemption
+    run.process.heartbeat.beat("preempt", signalled=preemption.received)  # the launcher names the rank that got it
     if saved:
         run.checkpointer.wait()  # an async save of this very step: let it commit
     if not saved or run.checkpointer.failed_in_a_row:  # not saved, or that save failed: this one must not

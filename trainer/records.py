@@ -35,7 +35,7 @@ def write_record(run: Run, metrics: MetricsLog, stragglers: StragglerWatch, draf
         return  # restored from a memory snapshot, and written by the attempt that took it
     f = draft.fields
     tokens_per_s = run.tokens_per_step / parts["step_time_s"]
-    mfu = run.flops_per_token * tokens_per_s / (run.peak_flops * run.info.world) if run.peak_flops else 0.0
+    mfu = run.flops.per_token * tokens_per_s / (run.flops.peak * run.info.world) if run.flops.peak else 0.0
     record = {"step": draft.step, "lr": f["lr"], "grad_norm": f["grad_norm"], "tokens_per_s": tokens_per_s,
               "mfu": mfu, "mem_mb": f["mem_mb"], **parts, "tokens": f["tokens"], "skipped_steps": f["skipped_steps"],
               "time": f["time"]}
@@ -62,12 +62,12 @@ def exchange_records(run: Run, meters: Meters, step: int, now: bool = False) -> 
     snapshot carries the unwritten ones instead). The time this takes is not counted in the current log
     window."""
     now = now or run.info.world == 1 or commits_at(run, step)
-    if not (now or run.preemption.checks_at(step)):
+    if not (now or run.process.preemption.checks_at(step)):
         return
     start = time.perf_counter()
     meters.records.receive()  # sent at the previous check: finished since
     meters.records.send()
-    if now or run.preemption.blocking:
+    if now or run.process.preemption.blocking:
         meters.records.receive()
     meters.window.started += time.perf_counter() - start
 

@@ -26,12 +26,12 @@ def resume(run: Run) -> Progress:
     cfg, root = run.cfg, run.cfg.checkpoint_dir
     mode = cfg.checkpoint.resume
     progress = Progress(fresh_state(run))
-    run.heartbeat.beat("load", t_load=time.time())
+    run.process.heartbeat.beat("load", t_load=time.time())
     if mode == "never" and (existing := run.checkpointer.list_committed()):
         raise CheckpointError(
             f"checkpoint.resume=never, but {root} holds committed step(s) {existing}: set another "
             "checkpoint.dir (or run.dir), or delete them to start over")
-    with run.stalls.guard("resuming from a checkpoint", root):
+    with run.process.stalls.guard("resuming from a checkpoint", root):
         latest = run.checkpointer.discover_latest() if mode != "never" else None
         parts = run.memory.scan() if run.memory is not None and mode != "never" else {}
         in_memory, givers = run.memory.plan(parts) if run.memory is not None and mode != "never" else (None, {})
@@ -49,8 +49,8 @@ def resume(run: Run) -> Progress:
                 log.info("memory tier not used: %s", why)
         elif mode != "never":
             log.info("no committed checkpoint in %s: starting fresh", root)
-    run.heartbeat.beat("loaded", step=progress.state.step, t_loaded=time.time(), resumed_step=progress.state.step,
-                       resumed_tier=progress.resumed_tier, tier_why=why[:200])
+    run.process.heartbeat.beat("loaded", step=progress.state.step, t_loaded=time.time(),
+                               resumed_step=progress.state.step, resumed_tier=progress.resumed_tier, tier_why=why[:200])
     return progress
 
 
@@ -73,7 +73,8 @@ def start_meters(run: Run, progress: Progress) -> Meters:
     records = PendingRecords(lambda values: parallel.all_gather_rows(values, info),
                              lambda draft, parts: write_record(run, metrics, stragglers, draft, parts),
                              progress.restored_records)
-    measure = memory_auto.Measure(on_cpu=info.device.type == "cpu") if run.memory_auto else None
+    measuring = run.memory is not None and run.memory.measuring
+    measure = memory_auto.Measure(on_cpu=info.device.type == "cpu") if measuring else None
     progress.start_step, progress.started = progress.state.step, time.perf_counter()
     run.model.train()
     return Meters(metrics, timer, LogWindow(timer), comm, profiler, NonFiniteGuard(t.max_bad_steps), stragglers,
@@ -95,7 +96,8 @@ def tier_choice(run: Run, in_memory: int | None, durable: int | None, other: tup
         newer = "newer" if durable is None or step > durable else "not newer"
         return f"the {world}-rank memory snapshot of step {step}, resharded, is {newer} than the newest durable " \
                f"checkpoint ({newest})"
-    seen = f" (on rank {run.info.rank}'s node: {run.memory.skipped[0]})" if run.memory.skipped else ""
+    skipped = run.memory.restoring.skipped
+    seen = f" (on rank {run.info.rank}'s node: {skipped[0]})" if skipped else ""
     return f"no memory snapshot that every rank has{seen}"
 
 
@@ -130,7 +132,7 @@ def load_resharded(run: Run, progress: Progress, world: int, step: int, durable:
     world size: every part of it on this rank's node), as a durable checkpoint of another world reshards."""
     state = run.memory.load_resharded(world, step, run.model, run.optimizer)
     progress.state, progress.resumed_tier = state, "memory-reshard"
-    progress.restored_records = [RecordDraft.from_json(d) for d in run.memory.restored_extra.get("records", [])]
+    progress.restored_records = [RecordDraft.from_json(d) for d in run.memory.restoring.extra.get("records", [])]
     adopt_config(run, state)
     run.loader.load_state_dict(state.data or {})
     log.info("resumed from step %d (memory snapshot of %d rank(s) in %s, resharded to %d; newest durable "
@@ -145,7 +147,7 @@ def load_snapshot(run: Run, progress: Progress, step: int, givers: dict[int, int
     moved = sorted(rank for rank, giver in givers.items() if giver != rank)
     state = run.memory.load(*run.memory.fetch(step, givers, parts), run.model, run.optimizer)
     progress.state = state
-    progress.restored_records = [RecordDraft.from_json(d) for d in run.memory.restored_extra.get("records", [])]
+    progress.restored_records = [RecordDraft.from_json(d) for d in run.memory.restoring.extra.get("records", [])]
     adopt_config(run, state)  # a snapshot is of this very config (config_sha256 less where memory lives): not kept
     progress.resumed_tier = "memory-peer" if moved else "memory-local"
     run.loader.load_state_dict(state.data or {})

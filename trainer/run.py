@@ -1,7 +1,8 @@
 """What one training process holds, in three parts: `Run`, built once by `build` (data, model,
-optimizer, checkpointer, memory tier); `Progress`, what changes step by step (the train state, the
-time spent in steps), made by trainer.resume; `Meters`, the per-attempt instruments (metrics log,
-timers, log window, straggler watch), started once the start step is known."""
+optimizer, checkpointer, memory tier) around the `ProcessParts` the process keeps to its end;
+`Progress`, what changes step by step (the train state, the time spent in steps), made by
+trainer.resume; `Meters`, the per-attempt instruments (metrics log, timers, log window, straggler
+watch), started once the start step is known."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from common.clock import call_bounded
 from data.corpus import ensure_builtin
 from data.loader import BatchLoader
 from data.shards import ShardSet
-from data.stream import TokenStream
+from data.stream import BatchGeometry, TokenStream
 from trainer.checkpoint import Checkpointer, CheckpointError, CheckpointStorageError, TrainState, memory_auto
 from trainer.checkpoint import memory as memory_tier
 from trainer.config import Config, ConfigError, micro_batch_size, validate
@@ -39,27 +40,47 @@ log = logs.get_logger()
 
 
 @dataclass
+class ProcessParts:
+    """What the training process holds from its start to its end, around every run it builds (an in-process
+    recovery builds the run again with the same parts)."""
+
+    heartbeat: protocol.Heartbeat  # this rank's progress record for the launcher
+    preemption: fault.PreemptionFlag  # SIGTERM, and the ranks' agreement on the step to stop at
+    stalls: storage.StallWatch  # bounds the waits on storage (storage.stall_s)
+    regroup: Regroup | None = None  # in-process recovery (trainer.recovery.inplace), when the launcher offers it
+
+
+@dataclass(frozen=True)
+class Flops:
+    """MFU's terms: the model's training FLOPs per token, and the device's peak FLOP/s (0: unknown, no MFU)."""
+
+    per_token: float
+    peak: float
+
+
+@dataclass
 class Run:
     """What one training process builds once (`build`) and holds to the end."""
 
     cfg: Config
     info: parallel.DistInfo
-    heartbeat: protocol.Heartbeat
-    preemption: fault.PreemptionFlag
-    stalls: storage.StallWatch  # bounds the waits on storage (storage.stall_s)
-    shards: ShardSet
-    loader: BatchLoader
+    process: ProcessParts
+    loader: BatchLoader  # its stream holds the dataset (`shards`)
     evaluator: Evaluator
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     checkpointer: Checkpointer
     memory: memory_tier.MemoryTier | None  # checkpoint.memory_every > 0 (or auto, and it fits)
-    memory_auto: bool  # memory_every=auto still has to time the first steps to choose its interval
-    micro_batch: int
-    flops_per_token: float
-    peak_flops: float
+    flops: Flops
     closed: bool = False  # `release` ran
-    regroup: Regroup | None = None  # in-process recovery (trainer.recovery.inplace), when the launcher offers it
+
+    @property
+    def shards(self) -> ShardSet:
+        return self.loader.stream.shards
+
+    @property
+    def micro_batch(self) -> int:
+        return micro_batch_size(self.cfg, self.info.world)
 
     @property
     def tokens_per_step(self) -> int:
@@ -95,9 +116,7 @@ class Meters:
 
 
 # ---------------------------------------------------------------------- build
-def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
-          preemption: fault.PreemptionFlag, stalls: storage.StallWatch, regroup: Regroup | None = None,
-          joining: dict | None = None) -> Run:
+def build(cfg: Config, info: parallel.DistInfo, process: ProcessParts, joining: dict | None = None) -> Run:
     """Data, model (sharded), optimizer, checkpointer and memory tier; says what was built. `joining`:
     a replacement rank's settings from the survivors (trainer.recovery.inplace.joining_setup), in place of the
     start-up collectives they are no longer in."""
@@ -109,9 +128,9 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
 
-    shards = open_dataset(cfg, info, stalls)
-    stream = TokenStream(shards, cfg.model.seq_len, t.global_batch, cfg.data.seed, info.rank, info.world,
-                         cfg.data.val_fraction)
+    shards = open_dataset(cfg, info, process.stalls)
+    geometry = BatchGeometry(seq_len=cfg.model.seq_len, global_batch=t.global_batch, rank=info.rank, world=info.world)
+    stream = TokenStream(shards, geometry, seed=cfg.data.seed, val_fraction=cfg.data.val_fraction)
     stall = cfg.storage.stall_s  # the stall watch names a storage that stopped answering; the loader's own
     loader = BatchLoader(stream, cfg.data.num_workers,  # timeout (lost workers) comes after it
                          with_positions=cfg.data.reset_positions or cfg.data.mask_boundary_loss,
@@ -138,11 +157,14 @@ def build(cfg: Config, info: parallel.DistInfo, heartbeat: protocol.Heartbeat,
              f"{peak / 1e9:,.0f}", peak_source)
 
     on_event = (lambda name, **fields: protocol.append_event(run_dir, name, **fields)) if info.is_main else None
+    regroup = process.regroup
     with regroup.tracking() if regroup is not None else contextlib.nullcontext():  # their groups' connections
-        checkpointer = Checkpointer(cfg.checkpoint_dir, info, cfg.checkpoint, on_event=on_event, stalls=stalls)
-        memory, measuring = start_memory_tier(cfg, info, model, joining)
-    return Run(cfg, info, heartbeat, preemption, stalls, shards, loader, evaluator, model, optimizer, checkpointer,
-               memory, measuring, micro_batch, flops_per_token, peak, regroup=regroup)
+        checkpointer = Checkpointer(cfg.checkpoint_dir, info, cfg.checkpoint, on_event=on_event,
+                                    stalls=process.stalls)
+        memory = start_memory_tier(cfg, info, model, joining)
+    return Run(cfg=cfg, info=info, process=process, loader=loader, evaluator=evaluator, model=model,
+               optimizer=optimizer, checkpointer=checkpointer, memory=memory,
+               flops=Flops(per_token=flops_per_token, peak=peak))
 
 
 def hold_directories(cfg: Config, info: parallel.DistInfo, alone: bool = False) -> list[Lease]:
@@ -225,13 +247,13 @@ def open_dataset(cfg: Config, info: parallel.DistInfo, stalls: storage.StallWatc
 
 
 def start_memory_tier(cfg: Config, info: parallel.DistInfo, model: torch.nn.Module,
-                      joining: dict | None = None) -> tuple[memory_tier.MemoryTier | None, bool]:
-    """The memory tier per checkpoint.memory_every (`auto`: trainer.checkpoint.memory_auto), said in one
-    start-up line (collective: the run's record and the ranks' decisions; a replacement rank takes them
-    from `joining`); and whether `auto` still has to time the first steps."""
+                      joining: dict | None = None) -> memory_tier.MemoryTier | None:
+    """The memory tier per checkpoint.memory_every (`auto`: trainer.checkpoint.memory_auto; the tier is
+    `measuring` while it still has to time the first steps), said in one start-up line (collective: the
+    run's record and the ranks' decisions; a replacement rank takes them from `joining`)."""
     ck = cfg.checkpoint
     if not ck.memory_every or (joining is not None and not joining["run_id"]):
-        return None, False
+        return None
     directory = ck.memory_dir or memory_tier.default_dir()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
     identity = memory_tier.config_identity(cfg.to_dict())
@@ -246,12 +268,12 @@ def start_memory_tier(cfg: Config, info: parallel.DistInfo, model: torch.nn.Modu
         every, why = memory_auto.agree(every, why, info.world)
     if every == 0:
         log.info("memory tier: off (checkpoint.memory_every=auto): %s", why)
-        return None, False
-    memory = memory_tier.MemoryTier(
-        ck, info, record["run_id"], identity, every or 1, cfg.run.dir,
+        return None
+    setup = memory_tier.TierSetup(
+        run_id=record["run_id"], config_sha256=identity, run_dir=cfg.run.dir, local_world=local_world,
         on_failure=lambda error: log.warning("memory snapshot failed (training goes on; the durable tier and "
-                                             "older snapshots stay): %s", error),
-        local_world=local_world)
+                                             "older snapshots stay): %s", error))
+    memory = memory_tier.MemoryTier(ck, info, setup, every=every)
     how_often = ""
     if every is None:
         how_often = (f"auto: every step while the first {memory_auto.MEASURED_STEPS} steps are timed, then every "
@@ -259,7 +281,7 @@ def start_memory_tier(cfg: Config, info: parallel.DistInfo, model: torch.nn.Modu
     elif ck.memory_every == "auto":
         how_often = f"auto: every {every} step(s), as this run chose at its first start"
     log.info("memory tier: %s", memory.describe(how_often))
-    return memory, every is None
+    return memory
 
 
 def init_from_hf(model: Transformer, cfg: Config) -> None:

@@ -55,7 +55,7 @@ from launch.recovery.events import (
     Tick,
     WorldPublished,
 )
-from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV, next_generation
+from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV, HeartbeatRecord, next_generation
 
 
 @dataclass(frozen=True)
@@ -74,12 +74,12 @@ class Mode:
         return self.in_process or self.smaller
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Idle:
     """No recovery under way."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A recovery under way: its generation, when its failure was noticed, the ranks replaced, the survivors
     on this node (local rank -> pid), the failed ranks' trainer pids (their heartbeats are stale), the ranks
@@ -94,7 +94,7 @@ class Pending:
     unaware: set[int] = field(default_factory=set)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HangKilled:
     """A hung rank was killed alone at `at`: its exit is on its way to the agent, as `failure`."""
 
@@ -102,12 +102,12 @@ class HangKilled:
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Recorded:
     """The restart policy stopped an in-process recovery: the group's failure, when it comes, is recorded."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Told:
     """The ranks here were told at `at` to leave their generation: nodes silent since `since` are lost."""
 
@@ -148,12 +148,12 @@ class RecoveryCoordinator:
         p = self.pending
         return p.dead_pids | frozenset(p.kept.values()) if p is not None else frozenset()
 
-    def representative(self, beats: Beats) -> dict | None:
+    def representative(self, beats: Beats) -> HeartbeatRecord | None:
         """The heartbeat that speaks for this node in the ledger: its lowest rank of the current generation,
         a survivor's while a recovery is under way (older records are of ranks not yet re-formed)."""
-        current = {r: b for r, b in beats.items() if b.get("generation", 0) >= self.generation}
+        current = {r: b for r, b in beats.items() if b.generation >= self.generation}
         p = self.pending
-        kept = [r for r, b in current.items() if p is None or b.get("pid") in p.kept.values()]
+        kept = [r for r, b in current.items() if p is None or b.pid in p.kept.values()]
         return current[min(kept or current)] if current else None
 
     def take_backoff(self) -> float:
@@ -163,7 +163,7 @@ class RecoveryCoordinator:
 
     def next_generation(self, beats: Beats) -> int:
         """The generation a recovery from now starts: past the newest this node's ranks or this launcher knew."""
-        return next_generation(self.generation, (b.get("generation", 0) for b in beats.values()))
+        return next_generation(self.generation, (b.generation for b in beats.values()))
 
     # ------------------------------------------------------------------ events
     def _started(self, event: GroupStarted) -> list[Action]:  # noqa: ARG002
@@ -179,9 +179,10 @@ class RecoveryCoordinator:
         if p is not None and e.exits and set(e.exits) <= p.unaware:  # the survivors it had killed: start them too
             p.replaced = sorted({*p.replaced, *e.exits})
             p.kept = {lr: pid for lr, pid in p.kept.items() if lr not in {x.local_rank for x in e.exits.values()}}
-            p.dead_pids = p.dead_pids | {e.beats[r]["pid"] for r in e.exits if r in e.beats}
-            return [Replace({GENERATION_ENV: str(p.generation)}, p.generation, tuple(sorted(e.exits)),
-                            tuple(sorted(p.kept.values())), p.noticed, again=True)]
+            p.dead_pids = p.dead_pids | {e.beats[r].pid for r in e.exits if r in e.beats}
+            return [Replace(env={GENERATION_ENV: str(p.generation)}, generation=p.generation,
+                            replaced=tuple(sorted(e.exits)), kept_pids=tuple(sorted(p.kept.values())),
+                            noticed=p.noticed, again=True)]
         failure = self.state.failure if isinstance(self.state, HangKilled) else e.failure
         if isinstance(self.state, HangKilled):
             self.state = Idle()
@@ -202,11 +203,12 @@ class RecoveryCoordinator:
             self.generation, self.state, self.told = 0, Recorded(), None
             return [*verdict, LetFail()]
         generation = self.next_generation(e.beats)
-        dead = frozenset(e.beats[r]["pid"] for r in e.exits if r in e.beats)
-        self.generation, self.state = generation, Pending(generation, e.now, sorted(e.exits), kept, dead)
-        return [*verdict, Announce(generation), SegmentStarted(e.now, generation),
-                Replace({GENERATION_ENV: str(generation)}, generation, tuple(sorted(e.exits)),
-                        tuple(sorted(kept.values())), e.now)]
+        dead = frozenset(e.beats[r].pid for r in e.exits if r in e.beats)
+        self.generation = generation
+        self.state = Pending(generation=generation, noticed=e.now, replaced=sorted(e.exits), kept=kept, dead_pids=dead)
+        return [*verdict, Announce(generation), SegmentStarted(noticed=e.now, generation=generation),
+                Replace(env={GENERATION_ENV: str(generation)}, generation=generation, replaced=tuple(sorted(e.exits)),
+                        kept_pids=tuple(sorted(kept.values())), noticed=e.now)]
 
     def _failed(self, e: GroupFailed) -> list[Action]:
         if isinstance(self.state, Recorded):
@@ -217,8 +219,8 @@ class RecoveryCoordinator:
     def _observed(self, e: Observed) -> list[Action]:
         """Settle the pending recovery once every rank of this node has finished a step in its generation."""
         p = self.pending
-        ready = [b for b in e.beats.values() if p is not None and b.get("generation", 0) >= p.generation
-                 and b.get("t_first")]
+        ready = [b for b in e.beats.values() if p is not None and b.generation >= p.generation
+                 and b.startup.t_first]
         if p is None or not e.beats or len(ready) < len(e.beats):
             return []
         self.state = Idle()
@@ -243,13 +245,13 @@ class RecoveryCoordinator:
             return [*kills, lost]
         if isinstance(self.state, HangKilled) and e.now - self.state.at < HANG_EXIT_WAIT_S:
             return kills  # the hung rank was SIGKILLed alone: its exit is on its way to the agent
-        return [*kills, CheckHangs(self.unjudged_pids(), e.beats, e.now)]
+        return [*kills, CheckHangs(ignore=self.unjudged_pids(), beats=e.beats, now=e.now)]
 
     def _hang(self, e: HangFound) -> list[Action]:
         if self.mode.in_process and self.pending is None and not e.gone:
             # In process: kill the hung rank alone; its replacement is started as for a crash.
-            self.state = HangKilled(e.failure, e.now)
-            return [Note(f"{e.failure.describe()}: killing it (pid {e.pid})"), Kill(e.failure.rank, e.pid)]
+            self.state = HangKilled(failure=e.failure, at=e.now)
+            return [Note(f"{e.failure.describe()}: killing it (pid {e.pid})"), Kill(rank=e.failure.rank, pid=e.pid)]
         return [*self._restarting(e.beats), *self._decide(e.failure, "", "restart"), Restart()]
 
     def _silent(self, s: Silence, e: Tick) -> list[Action]:
@@ -268,7 +270,7 @@ class RecoveryCoordinator:
         if (self.told is None and live == 1 and e.can_tell and self.mode.smaller and self.mode.min_nodes <= 1
                 and self.pending is None):
             generation = self.next_generation(e.beats)
-            self.told = Told(e.now, s.last_heard)
+            self.told = Told(at=e.now, since=s.last_heard)
             return [*notes, Note(f"the launcher(s) of {silent} stopped answering for {s.lost_s:.0f}s (lost, or cut "
                                  f"off): telling the ranks here to leave generation {generation - 1} and go on "
                                  f"without them"), Announce(generation, handled=False)]
@@ -288,8 +290,8 @@ class RecoveryCoordinator:
         if e.why or isinstance(verdict[-1], Stop):
             return [*fallback, *verdict, Restart()]
         self.generation, self.told = e.generation, None
-        self.state = Pending(e.generation, e.noticed, [], dict(e.kept), lost=lost)
-        return [*verdict, SegmentStarted(e.noticed, e.generation, smaller=True),
+        self.state = Pending(generation=e.generation, noticed=e.noticed, replaced=[], kept=dict(e.kept), lost=lost)
+        return [*verdict, SegmentStarted(noticed=e.noticed, generation=e.generation, smaller=True),
                 Note(f"in-process recovery, generation {e.generation}: the ranks here go on as a world of "
                      f"{len(e.kept)} without rank(s) {lost}")]
 
@@ -304,12 +306,12 @@ class RecoveryCoordinator:
         """Record the failure and ask the restart policy: [Record, Proceed | Stop]."""
         decision = self.policy.decide(failure)
         if not decision.restart:
-            return [Record(failure, traceback, path), Stop(decision)]
+            return [Record(failure, traceback=traceback, path=path), Stop(decision)]
         what = ("going on without them" if failure.cause == "node" and path == "in-process" else
                 f"restarting {'the failed rank(s) alone' if path == 'in-process' else 'the worker group'}")
         line = f"{what} (restart {self.policy.restarts} of {self.policy.max_restarts})"
         self.backoff_s = decision.delay_s if path == "restart" else 0.0
-        return [Record(failure, traceback, path), Proceed(line, self.backoff_s)]
+        return [Record(failure, traceback=traceback, path=path), Proceed(line, delay_s=self.backoff_s)]
 
     def _restarting(self, beats: Beats) -> list[Action]:
         """Several nodes (`smaller`): this launcher restarts its group for a failure of its own ranks; the other
@@ -325,9 +327,9 @@ class RecoveryCoordinator:
     def _fall_back_stuck(self, rank: int, why: str, beats: Beats, step: int) -> list[Action]:
         """The recovery under way cannot finish: the ranks it waited for in vain print their stacks, and the
         whole group restarts."""
-        waited = {r: b for r, b in beats.items() if b.get("phase") != "recover"}
+        waited = {r: b for r, b in beats.items() if b.phase != "recover"}
         failure = Failure(rank, "hang", step, message=why, key="in-process recovery stuck")
-        return [*self._fallback(why, rank), PrintStacks(waited, "did not come to the recovery"),
+        return [*self._fallback(why, rank), PrintStacks(beats=waited, why="did not come to the recovery"),
                 *self._decide(failure, "", "restart"), Restart()]
 
     def _overdue(self, now: float) -> tuple[int, str] | None:
@@ -346,9 +348,9 @@ class RecoveryCoordinator:
         if p is None or p.lost or e.now - p.noticed < UNAWARE_S:
             return {}
         kept = set(p.kept.values())
-        return {rank: b["pid"] for rank, b in e.beats.items()
-                if b.get("pid") in kept and rank not in p.unaware and b.get("phase") != "recover"
-                and b.get("generation", 0) < p.generation and b.get("recovering", 0) < p.generation}
+        return {rank: b.pid for rank, b in e.beats.items()
+                if b.pid in kept and rank not in p.unaware and b.phase != "recover"
+                and b.generation < p.generation and b.recovery.recovering < p.generation}
 
     def _stuck_unaware(self, e: Tick) -> tuple[int, str] | None:
         """On one node, when none of the survivors noticed: with no survivor to take its settings from, the
@@ -371,7 +373,7 @@ class RecoveryCoordinator:
             actions += [Note(f"rank {rank} (pid {pid}) still trains in the failed generation {UNAWARE_S:.0f}s after "
                              f"the failure (blocked where no error reaches it): killing it, to start it again too",
                              event="in_process_unaware", fields=dict(rank=rank, pid=pid, generation=self.generation)),
-                        Kill(rank, pid)]
+                        Kill(rank=rank, pid=pid)]
         return actions
 
     def _lost_node(self, e: Tick) -> PublishSmallerWorld | None:
@@ -379,12 +381,13 @@ class RecoveryCoordinator:
         launcher said it handles their failure), with no failure of this node's under way: their node is lost."""
         if not self.mode.smaller or self.pending is not None or not e.local_ranks:
             return None
-        waiting = [e.beats.get(rank, {}) for rank in e.local_ranks]
-        if not all(b.get("phase") == "recover" and b.get("recovering") for b in waiting):
+        waiting = [e.beats.get(rank) for rank in e.local_ranks]
+        if not all(b is not None and b.phase == "recover" and b.recovery.recovering for b in waiting):
             return None
-        noticed = min(b.get("t_error") or e.now for b in waiting)
-        generation = max(b["recovering"] for b in waiting)
+        noticed = min(b.recovery.t_error or e.now for b in waiting)
+        generation = max(b.recovery.recovering for b in waiting)
         waited = e.now - noticed
         if waited < NODE_LOST_S or (waited < NODE_HANDLED_S and e.handled(generation)):
             return None
-        return PublishSmallerWorld(generation, min(noticed, self.told.since if self.told else noticed), e.beats)
+        since = min(noticed, self.told.since) if self.told else noticed
+        return PublishSmallerWorld(generation=generation, noticed=since, beats=e.beats)

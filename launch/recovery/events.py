@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from launch.failures import Failure, RankExit
 from launch.policy import Decision
+from trainer.contract import HeartbeatRecord
 
-Beats = dict[int, dict]  # this node's heartbeat records of the running attempt, by global rank
+Beats = dict[int, HeartbeatRecord]  # this node's heartbeat records of the running attempt, by global rank
 
 
 # ---------------------------------------------------------------------------------------------- events

@@ -14,12 +14,13 @@ import torch
 
 from data.loader import BatchLoader
 from data.shards import ShardSet
-from data.stream import TokenStream
+from data.stream import BatchGeometry, TokenStream
 from tests.helpers import upload
 
 
 def make(shards, rank=0, world=1, batch=4) -> TokenStream:
-    return TokenStream(shards, seq_len=16, global_batch=batch, seed=5, rank=rank, world=world, val_fraction=0.05)
+    geometry = BatchGeometry(seq_len=16, global_batch=batch, rank=rank, world=world)
+    return TokenStream(shards, geometry, seed=5, val_fraction=0.05)
 
 
 def take(it, n: int) -> list[np.ndarray]:
@@ -144,8 +145,10 @@ def test_workers_die_with_a_killed_rank(local_dataset):
 
     code = (
         "import sys, time\n"
-        "from data.loader import BatchLoader\nfrom data.shards import ShardSet\nfrom data.stream import TokenStream\n"
-        f"s = TokenStream(ShardSet({local_dataset.root!r}), 16, 4, seed=5, val_fraction=0.05)\n"
+        "from data.loader import BatchLoader\nfrom data.shards import ShardSet\n"
+        "from data.stream import BatchGeometry, TokenStream\n"
+        f"s = TokenStream(ShardSet({local_dataset.root!r}), BatchGeometry(seq_len=16, global_batch=4), seed=5, "
+        "val_fraction=0.05)\n"
         "loader = BatchLoader(s, num_workers=2)\nnext(loader)\n"
         "print(*[w.pid for w in loader._it._workers], flush=True)\ntime.sleep(120)\n"
     )

@@ -13,7 +13,7 @@ import pytest
 
 from data.loader import BatchLoader
 from data.shards import ShardSet
-from data.stream import TokenStream
+from data.stream import BatchGeometry, TokenStream
 from tests.helpers import upload
 
 WHERE = ["local", "s3"]
@@ -29,8 +29,8 @@ def shards(request, local_dataset) -> ShardSet:
 
 
 def make(shards, rank=0, world=1, batch=4, seed=3, window=2) -> TokenStream:  # seed 3: a window starts on a batch
-    return TokenStream(shards, seq_len=16, global_batch=batch, seed=seed, rank=rank, world=world,
-                       val_fraction=0.05, shuffle_window=window)
+    geometry = BatchGeometry(seq_len=16, global_batch=batch, rank=rank, world=world)
+    return TokenStream(shards, geometry, seed=seed, val_fraction=0.05, shuffle_window=window)
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def window_boundaries(s: TokenStream, epoch: int = 0) -> np.ndarray:
 
 def resume_points(s: TokenStream) -> dict[str, int]:
     """Batch numbers to resume at: mid-window, exactly on a window (shard) boundary, around the epoch end."""
-    b = s.global_batch
+    b = s.geometry.global_batch
     on_boundary = [int(p) // b for p in window_boundaries(s) if p % b == 0]
     assert on_boundary, "no window boundary falls on a batch boundary for this seed"
     epoch_end = s.n_train // b

@@ -14,7 +14,7 @@ from data import tokenizer as tokenizers_
 from data.prepare import main as prepare_main
 from data.prepare import prepare
 from data.shards import ShardError, ShardSet
-from data.stream import TokenStream
+from data.stream import BatchGeometry, TokenStream
 from tests.helpers import TEXTS, upload
 
 
@@ -45,7 +45,7 @@ def test_prepare_cli_reads_s3_inputs_and_writes_s3_output(s3_bucket):
 
 def test_stream_from_s3_equals_local_with_bounded_cache(local_dataset, s3_bucket):
     remote = ShardSet(upload(local_dataset, f"{s3_bucket}/ds"), cache_shards=3)
-    kw = dict(seq_len=16, global_batch=8, seed=5, val_fraction=0.05, shuffle_window=1)
+    kw = dict(geometry=BatchGeometry(seq_len=16, global_batch=8), seed=5, val_fraction=0.05, shuffle_window=1)
     a, b = TokenStream(local_dataset, **kw), TokenStream(remote, **kw)
     for _ in range(2 * a.n_train // 8):  # two epochs
         assert np.array_equal(a.next_batch().numpy(), b.next_batch().numpy())

@@ -32,12 +32,13 @@ def first_batch(overrides: list[str]) -> torch.Tensor:
     from data.corpus import ensure_builtin
     from data.loader import BatchLoader
     from data.shards import ShardSet
-    from data.stream import TokenStream
+    from data.stream import BatchGeometry, TokenStream
     from trainer.config import load
 
     cfg = load(SMOKE, overrides)
     shards = ShardSet(str(ensure_builtin(cfg.model.vocab_size, cfg.data.builtin_mb, None)))
-    stream = TokenStream(shards, cfg.model.seq_len, cfg.train.global_batch, cfg.data.seed, 0, 1, cfg.data.val_fraction)
+    geometry = BatchGeometry(seq_len=cfg.model.seq_len, global_batch=cfg.train.global_batch)
+    stream = TokenStream(shards, geometry, seed=cfg.data.seed, val_fraction=cfg.data.val_fraction)
     with BatchLoader(stream, 0, with_positions=False) as loader:
         return next(iter(loader))
 

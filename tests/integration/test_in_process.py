@@ -32,7 +32,7 @@ def start(run_dir: Path, tmp_path: Path, extra: list[str] = ()):
 def pids(run_dir: Path) -> dict[int, int]:
     """rank -> pid of the trainer process, from the heartbeats."""
     directory = next(run_dir.glob("heartbeats-*"))
-    return {rank: beat["pid"] for rank, beat in read_heartbeats(directory).items()}
+    return {rank: beat.pid for rank, beat in read_heartbeats(directory).items()}
 
 
 def wait_for_event(run_dir: Path, name: str, timeout: float = 60, count: int = 1) -> dict:
@@ -71,11 +71,11 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
     proc = start(run_dir, tmp_path, [f"fault.hang_timeout_s={hang_timeout}", "log.cost_per_device_hour=3.0"])
     victim = wait_for_step(run_dir, 8, rank=1)
     before = pids(run_dir)
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     hung = wait_for_step(run_dir, 20, rank=2)  # reached only after the recovery
     middle = pids(run_dir)
     stopped_at = time.time()
-    os.kill(hung["pid"], signal.SIGSTOP)
+    os.kill(hung.pid, signal.SIGSTOP)
     wait_for_event(run_dir, "in_process_done", timeout=60, count=2)
     after = pids(run_dir)
     # Rank 1 frozen and rank 3 SIGKILLed together: rank 1 never notices, nor may the rank whose receive
@@ -132,7 +132,7 @@ def test_a_second_failure_during_the_recovery_falls_back_to_a_full_restart(refer
     proc = start(run_dir, tmp_path)
     victim = wait_for_step(run_dir, 10, rank=1)
     second = pids(run_dir)[2]
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     wait_for_event(run_dir, "failure")
     os.kill(second, signal.SIGKILL)
     fallback = wait_for_event(run_dir, "in_process_fallback")
@@ -157,7 +157,7 @@ def test_sigterm_during_a_recovery_exits_75_at_once_and_the_next_launch_resumes_
                  f"checkpoint.memory_dir={tmp_path / 'shm'}", "fault.preempt_grace_s=30"]
     proc = launch(run_dir, overrides)
     victim = wait_for_step(run_dir, 10, rank=1)
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     wait_for_event(run_dir, "failure")
     signalled = time.time()
     os.kill(proc.pid, signal.SIGTERM)

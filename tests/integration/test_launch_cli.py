@@ -15,13 +15,15 @@ import time
 from common.process import proc_stat
 from launch.watchdog import Watchdog
 from tests.helpers import REPO, SMOKE, wait_for
+from trainer.runtime.protocol import HeartbeatRecord, StartupTimes, TrainingProgress
 
 
 def _beat(directory, rank: int, pid: int, age_s: float, phase: str = "train") -> None:
     now = time.time()
-    record = {"pid": pid, "rank": rank, "attempt": 0, "phase": phase, "step": 7, "t": now - age_s,
-              "t_first": now - 100, "busy_s": 1.0, "steps_run": 7}
-    (directory / f"rank-{rank}.json").write_text(json.dumps(record))
+    record = HeartbeatRecord(pid=pid, rank=rank, attempt=0, phase=phase, step=7, t=now - age_s,
+                             startup=StartupTimes(t_first=now - 100),
+                             progress=TrainingProgress(busy_s=1.0, steps_run=7))
+    (directory / f"rank-{rank}.json").write_text(json.dumps(record.to_json()))
 
 
 def cpu_s(pid: int) -> float:

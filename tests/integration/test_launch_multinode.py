@@ -67,7 +67,7 @@ def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wak
         wait_for_event(tmp_path, "resume", timeout=60, launchers=[host])
         (directory,) = tmp_path.glob(f"heartbeats-*{host.pid}-*")
         beats = read_heartbeats(directory)
-        assert list(beats) == [0] and beats[0]["generation"] == 1, beats
+        assert list(beats) == [0] and beats[0].generation == 1, beats
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
@@ -130,7 +130,7 @@ def test_a_rank_failed_on_a_live_node_restarts_both_together_and_its_node_is_not
         wait_for_one_group(tmp_path, procs, 15)
         # A killed rank: the guest's (not the rendezvous host's); a hung one: node b's, whose watchdog finds it.
         failed = procs[1 - rendezvous_host(tmp_path, procs)] if sig == signal.SIGKILL else procs[1]
-        os.kill(node_beat(tmp_path, failed.pid)["pid"], sig)
+        os.kill(node_beat(tmp_path, failed.pid).pid, sig)
         outs = [finish(p) for p in procs]
     finally:
         for p in procs:
@@ -237,9 +237,9 @@ def test_a_node_joining_loses_no_step_and_a_node_restarting_the_group_is_a_failu
     # The ranks name their coordination store after the group's rendezvous round: the same on both nodes, and
     # new after the membership change (which torchelastic's restart count is not: a failure noticed before
     # it would be seen again by the new group's ranks).
-    assert beats[0]["group"] == beats[1]["group"] != alone["group"], (alone, beats)
-    os.kill(beats[0]["pid"], signal.SIGSTOP)
-    os.kill(beats[1]["pid"], signal.SIGKILL)
+    assert beats[0].group == beats[1].group != alone.group, (alone, beats)
+    os.kill(beats[0].pid, signal.SIGSTOP)
+    os.kill(beats[1].pid, signal.SIGKILL)
     killed = time.time()
     outs = [finish(host, timeout=240), finish(guest, timeout=240)]
     assert host.returncode == 0 and guest.returncode == 0, outs[0][-3000:] + outs[1][-3000:]
@@ -289,7 +289,7 @@ def test_stores_listen_on_loopback_only(cache_dir, tmp_path):
     proc = launch(tmp_path, ["train.steps=200", "checkpoint.every=1000"])
     wait_for_step(tmp_path, 3)
     beats = next(read_heartbeats(d) for d in tmp_path.glob("heartbeats-*"))
-    addresses = listening_addresses([proc.pid, *(b["pid"] for b in beats.values())])
+    addresses = listening_addresses([proc.pid, *(b.pid for b in beats.values())])
     os.kill(proc.pid, signal.SIGTERM)
     out = finish(proc, timeout=60)
     assert len(addresses) >= 2, (addresses, out[-2000:])  # the rendezvous store and the group's store

@@ -35,7 +35,7 @@ def test_sigterm_to_one_rank_is_recorded_as_that_ranks_preemption(cache_dir, tmp
     names rank 1 (its heartbeat says it got the signal), and the restarted group loses no step."""
     proc = launch(tmp_path, ["train.steps=40", "checkpoint.every=100"])
     victim = wait_for_step(tmp_path, 10, rank=1)
-    os.kill(victim["pid"], signal.SIGTERM)
+    os.kill(victim.pid, signal.SIGTERM)
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     events = read_events(tmp_path)
@@ -59,7 +59,7 @@ def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_d
     assert proc.returncode == 75, out[-4000:]
     events = read_events(tmp_path)
     commits = [e["step"] for e in events if e["event"] == "commit"]
-    assert commits and commits[-1] >= beat["step"], (commits, beat["step"])  # nothing finished is lost
+    assert commits and commits[-1] >= beat.step, (commits, beat.step)  # nothing finished is lost
     assert events[-1]["event"] == "done" and events[-1]["outcome"] == "preempted"
     assert events[-1]["final_step"] == commits[-1]  # the heartbeats are read to the end (steps not undercounted)
     assert events[-1]["committed_step"] == commits[-1]
@@ -101,7 +101,7 @@ def test_ranks_that_cannot_commit_within_the_grace_period_print_their_stacks_the
     beats = [wait_for_step(tmp_path, 7, rank=rank) for rank in (0, 1)]
     # Into step 8's sleep: both ranks past step 7 and asleep (rank 0 in its sleep, rank 1 waiting for it; between
     # steps they compute, and two ranks cannot both wait in the same collective).
-    checks = [asleep(beat["pid"]) for beat in beats]
+    checks = [asleep(beat.pid) for beat in beats]
     wait_for("both ranks asleep in step 8", lambda: all([check() for check in checks]), 6, every=0.05)
     signalled = time.time()
     os.kill(proc.pid, signal.SIGTERM)
@@ -120,7 +120,7 @@ def test_preempted_node_without_rank_0_reports_its_emergency_checkpoint(cache_di
     args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=pods"]
     shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=400", "checkpoint.every=1000"]
     nodes = [launch(tmp_path / f"pod{i}", shared, nproc=1, extra_args=args) for i in range(2)]
-    wait_for("rank at step 5", lambda: any(b["step"] >= 5 for d in tmp_path.glob("pod*/heartbeats-*")
+    wait_for("rank at step 5", lambda: any(b.step >= 5 for d in tmp_path.glob("pod*/heartbeats-*")
                                           for b in read_heartbeats(d).values()), 90)
     for p in nodes:
         os.kill(p.pid, signal.SIGTERM)

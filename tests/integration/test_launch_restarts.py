@@ -21,13 +21,13 @@ def test_a_relaunch_after_the_launcher_was_killed_counts_the_lost_steps(cache_di
     the dead launcher's last heartbeats, and its resume event says how many steps were redone."""
     durable = ["train.steps=60", "checkpoint.every=10", "checkpoint.memory_every=0"]  # the steps since a commit: redone
     first = launch(tmp_path, durable)
-    reached = wait_for_step(tmp_path, 15)["step"]
-    ranks = [b["pid"] for d in tmp_path.glob("heartbeats-*") for b in read_heartbeats(d).values()]
+    reached = wait_for_step(tmp_path, 15).step
+    ranks = [b.pid for d in tmp_path.glob("heartbeats-*") for b in read_heartbeats(d).values()]
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     wait_for("end of the ranks with their launcher (PR_SET_PDEATHSIG)", lambda: not any(map(is_alive, ranks)), 30,
              every=0.05)
-    reached = max([reached] + [b["step"] for d in tmp_path.glob("heartbeats-*") for b in read_heartbeats(d).values()])
+    reached = max([reached] + [b.step for d in tmp_path.glob("heartbeats-*") for b in read_heartbeats(d).values()])
     second = launch(tmp_path, durable)
     out = finish(second)
     assert second.returncode == 0, out[-4000:]

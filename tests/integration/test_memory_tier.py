@@ -75,8 +75,8 @@ def test_sigkilled_ranks_resume_from_memory_each_time_and_match_an_uninterrupted
         # Reached only after the previous recovery; in any phase, polled often: with an eval every step a
         # rank is seldom in `train`, and a late look overshoots the planned step (once by 8: 17 steps left).
         victim = wait_for_step(run_dir, step, rank=rank, phases=("train", "eval"), poll_s=0.005)
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.append(victim["step"])
+        os.kill(victim.pid, signal.SIGKILL)
+        killed.append(victim.step)
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     resumes = [e for e in read_events(run_dir) if e["event"] == "resume"]
@@ -114,10 +114,10 @@ def test_plain_torchrun_restarts_a_sigkilled_rank_from_memory_forming_its_groups
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 90
-        while not ((beat := read_heartbeats(beats).get(1)) and beat["step"] >= 15 and beat["phase"] == "train"):
+        while not ((beat := read_heartbeats(beats).get(1)) and beat.step >= 15 and beat.phase == "train"):
             assert time.time() < deadline and proc.poll() is None, "rank 1 did not reach step 15"
             time.sleep(0.05)
-        os.kill(beat["pid"], signal.SIGKILL)
+        os.kill(beat.pid, signal.SIGKILL)
         proc.wait(timeout=120)
     finally:
         kill_tree(proc.pid)  # torchrun's workers do not die with it: none may outlive the test

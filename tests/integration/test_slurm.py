@@ -276,7 +276,7 @@ def wait_for_rank0_step(cluster: Cluster, jid: str, run_dir: Path, step: int, ti
         nonlocal next_look
         for directory in run_dir.glob("heartbeats-*"):
             beat = read_heartbeats(directory).get(0)
-            if beat and beat["step"] >= step and beat["phase"] == "train":
+            if beat and beat.step >= step and beat.phase == "train":
                 found.append(beat)
                 return True
         if time.time() > next_look:  # (scontrol every 2 s, not every 0.1 s)
@@ -355,7 +355,7 @@ def test_a_lost_node_leaves_the_other_going_on_then_the_requeued_job_resumes_on_
     hosts = [e for e in read_events(run_dir) if e["event"] == "rendezvous" and e["hosted"]]
     assert len(hosts) == 1, hosts
     host_lost = slurm_node_of(int(hosts[0]["node"].rsplit(":", 1)[1])) == lost
-    reached = max(b["step"] for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values())
+    reached = max(b.step for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values())
     assert lose_node(cluster, lost), say()
 
     def survivor_went_on() -> bool:

@@ -69,7 +69,7 @@ def test_storage_that_stops_answering_is_bounded_named_and_resumed_bit_identical
         # The ranks train on to the next save, and stall in it: a heartbeat in phase `save` past the last commit
         # (a save's record keeps the step before it).
         wait_for("a rank in a save after the pause", lambda: any(
-            b["phase"] == "save" and b["step"] >= committed for b in launcher_beats(tmp_path, second.pid)), 60,
+            b.phase == "save" and b.step >= committed for b in launcher_beats(tmp_path, second.pid)), 60,
             every=0.05)
         assert sigterm_exit(second, tmp_path) == 75
         outcome = events()[-1]["outcome"]

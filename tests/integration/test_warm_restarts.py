@@ -91,8 +91,8 @@ def test_sigkilled_ranks_are_forked_warm_and_match_a_cold_uninterrupted_run(refe
     servers = set()
     for step, rank in ((10, 1), (20, 0)):
         victim = wait_for_step(run_dir, step, rank=rank)
-        servers.add(parent(victim["pid"]))
-        os.kill(victim["pid"], signal.SIGKILL)
+        servers.add(parent(victim.pid))
+        os.kill(victim.pid, signal.SIGKILL)
     (server,) = servers  # the same template for the first group and the restarted one
     assert "launch.zygote" in cmdline(server) and server != proc.pid
     out = finish(proc)
@@ -115,12 +115,12 @@ def test_a_sigstopped_forked_rank_is_found_hung_and_does_not_outlive_its_group(c
     hang_timeout = 4.0
     proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10", f"fault.hang_timeout_s={hang_timeout}"])
     victim = wait_for_step(tmp_path, 10, rank=1)
-    assert "launch.zygote" in cmdline(parent(victim["pid"]))
+    assert "launch.zygote" in cmdline(parent(victim.pid))
     stopped_at = time.time()
-    os.kill(victim["pid"], signal.SIGSTOP)
+    os.kill(victim.pid, signal.SIGSTOP)
     wait_until("the hang noticed", lambda: any(e["event"] == "failure" for e in read_events(tmp_path)), 60)
     # Its stub was SIGKILLed with the group: the fork server SIGKILLs the stopped trainer and reaps it.
-    wait_until("the stopped rank gone", lambda: not is_alive(victim["pid"]), 10)
+    wait_until("the stopped rank gone", lambda: not is_alive(victim.pid), 10)
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     failure = next(e for e in read_events(tmp_path) if e["event"] == "failure")
@@ -144,7 +144,7 @@ def test_sigterm_to_every_process_preempts_through_the_stubs(cache_dir, tmp_path
     assert proc.returncode == 75, out[-4000:]
     events = read_events(tmp_path)
     commits = [e["step"] for e in events if e["event"] == "commit"]
-    assert commits and commits[-1] >= beat["step"], (commits, beat["step"])
+    assert commits and commits[-1] >= beat.step, (commits, beat.step)
     assert events[-1]["outcome"] == "preempted" and events[-1]["committed_step"] == commits[-1]
 
 
@@ -166,10 +166,10 @@ def test_a_fork_server_that_dies_is_started_again(cache_dir, tmp_path):
     """SIGKILL the fork server: its ranks die with it, the group fails and restarts, a new fork server is
     started for it, and the run completes with ranks forked from the new one."""
     proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10"])
-    old = parent(wait_for_step(tmp_path, 10, rank=1)["pid"])
+    old = parent(wait_for_step(tmp_path, 10, rank=1).pid)
     os.kill(old, signal.SIGKILL)
     beat = wait_for_step(tmp_path, 25, timeout=120)
-    new = parent(beat["pid"])
+    new = parent(beat.pid)
     assert new != old and "launch.zygote" in cmdline(new) and parent(new) == proc.pid
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
@@ -181,8 +181,8 @@ def test_with_warm_restarts_off_ranks_are_plain_trainer_processes(cache_dir, tmp
     proc = launch(tmp_path, ["train.steps=60", "checkpoint.every=10", "fault.warm_restarts=false",
                              "fault.in_process=false"])
     victim = wait_for_step(tmp_path, 10, rank=1)
-    assert parent(victim["pid"]) == proc.pid and "-m trainer" in cmdline(victim["pid"])
-    os.kill(victim["pid"], signal.SIGKILL)
+    assert parent(victim.pid) == proc.pid and "-m trainer" in cmdline(victim.pid)
+    os.kill(victim.pid, signal.SIGKILL)
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "warm restarts" not in out and not any("launch.zygote" in c for c in processes_of(tmp_path).values())

@@ -12,7 +12,7 @@ from data import tokenizer as tokenizers_
 from data.prepare import InputError, expand_inputs, prepare, read_documents
 from data.prepare import main as prepare_main
 from data.shards import NotADatasetError, ShardError, ShardSet
-from data.stream import DataStateError, TokenStream
+from data.stream import BatchGeometry, DataStateError, TokenStream
 from tests.helpers import TEXTS, make_dataset
 
 
@@ -52,8 +52,8 @@ def epoch_order(s: TokenStream, epoch: int) -> np.ndarray:
 
 
 def stream(dataset, rank=0, world=1, seed=5, batch=8, seq=16, val_fraction=0.05):
-    return TokenStream(dataset, seq_len=seq, global_batch=batch, seed=seed, rank=rank, world=world,
-                       val_fraction=val_fraction)
+    geometry = BatchGeometry(seq_len=seq, global_batch=batch, rank=rank, world=world)
+    return TokenStream(dataset, geometry, seed=seed, val_fraction=val_fraction)
 
 
 @pytest.mark.parametrize("world", [2, 4])

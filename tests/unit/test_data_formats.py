@@ -213,9 +213,10 @@ def test_hf_tokenizer_with_another_eos_token(tmp_path, capsys):
     assert tokens[ends[2] + 1 : ends[3]].tolist() == [the, cat, unk, unk, unk, sat]  # "</", "s", ">"
 
     # the stream takes document boundaries from the manifest's EOS id
-    from data.stream import TokenStream
+    from data.stream import BatchGeometry, TokenStream
 
-    stream = TokenStream(ShardSet(str(tmp_path / "out")), seq_len=8, global_batch=2, seed=0, val_fraction=0)
+    stream = TokenStream(ShardSet(str(tmp_path / "out")), BatchGeometry(seq_len=8, global_batch=2), seed=0,
+                         val_fraction=0)
     batch = stream.next_batch_with_positions()
     inputs = batch.tokens[:, :-1]
     assert (batch.loss_mask == (inputs != 2)).all()

@@ -7,7 +7,7 @@ from launch import failures
 from launch.failures import Failure, RankExit
 from launch.policy import RestartPolicy
 from launch.watchdog import Hang
-from trainer.runtime.protocol import EXIT_PREEMPTED, EXIT_STORAGE
+from trainer.runtime.protocol import EXIT_PREEMPTED, EXIT_STORAGE, HeartbeatRecord
 
 CALLSTACK = "".join(f'  File "trainer/loop.py", line {n}, in frame{n}\n' for n in range(10))
 
@@ -88,7 +88,7 @@ def test_lost_peer_errors_are_recognised():
 
 
 def test_the_failure_names_the_cause_and_the_step_it_was_on():
-    beats = {0: {"step": 40}, 1: {"step": 41}}
+    beats = {0: HeartbeatRecord(rank=0, step=40), 1: HeartbeatRecord(rank=1, step=41)}
     failure, tb = failures.from_exits({0: raised(0, PEER, 2.0), 1: killed(1, 3.0)}, set(), beats, last_step=7)
     assert failure == Failure(1, "signal", 42, -9, "SIGKILL") and tb == ""
     assert failure.describe() == "rank 1 was killed by SIGKILL at step 42"
@@ -97,19 +97,19 @@ def test_the_failure_names_the_cause_and_the_step_it_was_on():
     assert (failure.cause, failure.step, failure.exit_code, failure.message) == ("exit", 8, 1, "RuntimeError: boom")
     assert tb.endswith("RuntimeError: boom") and len(tb.splitlines()) == 6
 
-    failure, tb = failures.from_exits({0: RankExit(0, 0, EXIT_PREEMPTED, 3.0)}, set(), {0: {"step": 5}}, 0)
+    failure, tb = failures.from_exits({0: RankExit(0, 0, EXIT_PREEMPTED, 3.0)}, set(), {0: HeartbeatRecord(step=5)}, 0)
     assert (failure.cause, failure.step, failure.message, tb) == ("preemption", 6, "", "")
 
 
 def test_a_preemption_names_the_rank_that_got_the_signal():
     """SIGTERM to rank 1 alone: both ranks commit and exit 75; rank 1's heartbeat says it was signalled."""
     exits = {r: RankExit(r, r, EXIT_PREEMPTED, 3.0 + r) for r in (0, 1)}
-    beats = {0: {"step": 5}, 1: {"step": 5, "signalled": True}}
+    beats = {0: HeartbeatRecord(rank=0, step=5), 1: HeartbeatRecord(rank=1, step=5, signalled=True)}
     failure, _ = failures.from_exits(exits, set(), beats, 0)
     assert (failure.rank, failure.cause, failure.step) == (1, "preemption", 6)
-    beats[1]["signalled"] = True  # rank 0 exited first and ended the group, rank 1 had not exited yet
+    beats[1].signalled = True  # rank 0 exited first and ended the group, rank 1 had not exited yet
     assert failures.from_exits({0: exits[0]}, set(), beats, 0)[0].rank == 1
-    beats[1]["signalled"] = False  # nobody on this node got it (the signal went to another node's rank)
+    beats[1].signalled = False  # nobody on this node got it (the signal went to another node's rank)
     assert failures.from_exits(exits, set(), beats, 0)[0].rank == 0
 
 
@@ -137,7 +137,8 @@ def test_the_same_exception_raised_in_the_same_place_is_the_same_failure_whateve
     here = stack(("trainer/loop.py", 120, "train"), ("/venv/site-packages/torch/utils/data/x.py", 5, "f"),
                  ("trainer/checkpoint/memory.py", 125, "local_tensors"))
     loop = [failures.from_exits({rank: RankExit(rank, rank, 1, 3.0, error(f"KeyError: {address}", here))}, set(),
-                                {rank: {"step": 120}}, 0)[0] for rank, address in ((1, 140505901709648), (0, 1405059))]
+                                {rank: HeartbeatRecord(rank=rank, step=120)}, 0)[0]
+            for rank, address in ((1, 140505901709648), (0, 1405059))]
     assert loop[0].key == "KeyError at trainer/checkpoint/memory.py:125:local_tensors < trainer/loop.py:120:train"
     assert loop[0].signature() == loop[1].signature() and loop[0].message != loop[1].message
     policy = RestartPolicy(max_restarts=10, crash_loop_repeats=3)
@@ -157,7 +158,8 @@ def test_storage_failures_back_off_past_the_crash_loop_rule_and_end_with_exit_4(
     loop: restarts back off until the budget is spent, and the launcher then exits 4."""
     error = {"message": "StorageStalled: storage stalled: no answer within storage.stall_s=6s while writing a "
                         "checkpoint (s3://b/ck/step-00000020)"}
-    failure, tb = failures.from_exits({0: RankExit(0, 0, EXIT_STORAGE, 3.0, error)}, set(), {0: {"step": 19}}, 0)
+    failure, tb = failures.from_exits({0: RankExit(0, 0, EXIT_STORAGE, 3.0, error)}, set(),
+                                      {0: HeartbeatRecord(step=19)}, 0)
     assert (failure.cause, failure.step, tb) == ("storage", 20, "")
     assert "could not use its storage" in failure.describe() and "s3://b/ck/step-00000020" in failure.describe()
     policy = RestartPolicy(max_restarts=4, backoff_s=1.0, crash_loop_repeats=2)

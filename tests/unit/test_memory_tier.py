@@ -12,14 +12,14 @@ import torch
 
 from tests.helpers import SOLO, assert_same, trained
 from trainer.checkpoint import TrainState, memory_auto
-from trainer.checkpoint.memory import MemoryTier
+from trainer.checkpoint.memory import MemoryTier, TierSetup
 from trainer.config import CheckpointConfig
 
 
 def tier(tmp_path, run: str = "run-a", config: str = "cfg-1", world: int = 1, failures: list | None = None):
-    return MemoryTier(CheckpointConfig(memory_dir=str(tmp_path / "shm")), replace(SOLO, world=world), run, config,
-                      every=1, run_dir=str(tmp_path / "run"),
+    setup = TierSetup(run_id=run, config_sha256=config, run_dir=str(tmp_path / "run"),
                       on_failure=(failures.append if failures is not None else None))
+    return MemoryTier(CheckpointConfig(memory_dir=str(tmp_path / "shm")), replace(SOLO, world=world), setup, every=1)
 
 
 def steps(memory: MemoryTier) -> list[int]:
@@ -123,8 +123,8 @@ def test_another_run_config_or_world_size_is_never_loaded(tmp_path, caplog):
     assert steps(tier(tmp_path, config="cfg-2")) == []
     assert "written with another config" in caplog.text
     two = tier(tmp_path, world=2)
-    assert steps(two) == [] and "world 1, this run's is 2" in two.skipped
-    assert list(two.elsewhere) == [(1, 3)]  # kept apart, for a reshard
+    assert steps(two) == [] and "world 1, this run's is 2" in two.restoring.skipped
+    assert list(two.restoring.elsewhere) == [(1, 3)]  # kept apart, for a reshard
     # A new run id of the same run.dir: the earlier run's snapshots are removed, not loaded.
     other = tier(tmp_path, run="run-b")
     assert steps(other) == [] and not (tmp_path / "shm" / "run-a").exists()
@@ -142,7 +142,7 @@ def test_a_failed_write_is_said_once_and_training_goes_on(tmp_path):
     assert len(failures) == 1 and "Is a directory" in failures[0], failures
     memory.snapshot(TrainState(step=3), model, opt)  # slot 0
     memory.wait()
-    assert steps(memory) == [3] and memory.failed_in_a_row == 0
+    assert steps(memory) == [3] and memory.writes.failed_in_a_row == 0
 
 
 def test_auto_is_off_on_a_disk_or_without_room_and_an_explicit_interval_is_used_as_it_is(tmp_path, memory_tier_dir):

@@ -4,6 +4,8 @@ processes: the coordinator has no I/O of its own."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from common.exits import EXIT_USAGE
@@ -36,6 +38,7 @@ from launch.recovery.events import (
     Tick,
     WorldPublished,
 )
+from trainer.runtime.protocol import HeartbeatRecord, RecoveryTimes, StartupTimes
 
 T0 = 1000.0  # when the first failure is noticed
 ONE_NODE = Mode(in_process=True, single_node=True)
@@ -43,14 +46,14 @@ SMALLER = Mode(in_process=False, single_node=False, smaller=True, min_nodes=1)
 RESTARTS = Mode(in_process=False, single_node=False)
 
 
-def beats(**phases: str) -> dict[int, dict]:
+def beats(**phases: str) -> dict[int, HeartbeatRecord]:
     """Three ranks (pids 100-102) of generation 0, rank r in phases[f"r{r}"] (train by default)."""
     records = {}
     for rank in range(3):
         phase = phases.get(f"r{rank}", "train")
-        records[rank] = {"pid": 100 + rank, "phase": phase, "generation": 0, "t_first": T0 - 5}
-        if phase == "recover":
-            records[rank].update(recovering=1, t_error=T0)
+        recovery = RecoveryTimes(recovering=1, t_error=T0) if phase == "recover" else RecoveryTimes()
+        records[rank] = HeartbeatRecord(pid=100 + rank, rank=rank, phase=phase, generation=0,
+                                        startup=StartupTimes(t_first=T0 - 5), recovery=recovery)
     return records
 
 
@@ -75,7 +78,7 @@ def hang(gone: bool = False, now: float = T0) -> HangFound:
 
 
 def settled() -> Observed:
-    return Observed({r: {**b, "generation": 1} for r, b in beats().items()})
+    return Observed({r: dataclasses.replace(b, generation=1) for r, b in beats().items()})
 
 
 def published(why: str = "") -> WorldPublished:
@@ -159,7 +162,7 @@ def test_a_replacement_joins_the_next_generation_and_the_watchdog_leaves_the_rec
     replace = coordinator.handle(rank_died())[-1]
     assert replace.env == {"REKINDLE_GENERATION": "1"} and replace.replaced == (1,) and replace.kept_pids == (100, 102)
     assert coordinator.unjudged_pids() == {100, 101, 102}  # the failed rank's pid and the survivors'
-    assert coordinator.representative({**beats(), 0: {**beats()[0], "generation": 1}})["pid"] == 100
+    assert coordinator.representative({**beats(), 0: dataclasses.replace(beats()[0], generation=1)}).pid == 100
 
 
 def test_a_survivor_killed_for_never_noticing_is_started_again_in_the_same_generation():

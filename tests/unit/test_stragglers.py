@@ -110,7 +110,7 @@ def test_a_heartbeat_that_changes_nothing_but_the_time_is_not_rewritten(tmp_path
     beat = protocol.Heartbeat(rank=0)
     writes = []
     write = beat._write
-    monkeypatch.setattr(beat, "_write", lambda: (writes.append(dict(beat.record)), write()))
+    monkeypatch.setattr(beat, "_write", lambda: (writes.append(beat.record.to_json()), write()))
     beat.beat("train", step=1, busy_s=0.1)
     beat.beat("train")  # nothing new
     beat.beat("train", step=2, busy_s=0.2)

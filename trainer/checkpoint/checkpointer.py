@@ -118,16 +118,16 @@ class Checkpointer:
 
     def __init__(self, root: str, info: DistInfo, settings: CheckpointConfig | None = None, *,
                  on_event: Callable[..., None] | None = None, stalls: storage.StallWatch | None = None) -> None:
-        settings = settings or CheckpointConfig()  # keep, keep_every, every, async, format, max_failed_saves
-        self.root, self.info, self.keep, self.keep_every, self.every = (root, info, settings.keep,
-                                                                        settings.keep_every, settings.every)
-        self.fmt = settings.format  # shard format of the steps this writes ("raw" | "dcp"); any is loaded
+        self.root, self.info = root, info
+        # What it reads of the settings: every, keep, keep_every, async_, max_failed_saves, and the shard
+        # format of the steps it writes (format: "raw" | "dcp"; a step of either is loaded).
+        self.settings = settings or CheckpointConfig()
         # Called on rank 0 with (event name, **fields): "commit" once a step's COMMIT.json is written, failed
         # saves, fallbacks.
         self.on_event = on_event
-        self.max_failed_saves, self.failed_in_a_row = settings.max_failed_saves, 0
+        self.failed_in_a_row = 0
         self._all = _Collectives(info.world)
-        self._stager = AsyncStager(info.device, info.world) if settings.async_ else None
+        self._stager = AsyncStager(info.device, info.world) if self.settings.async_ else None
         self._pending: _PendingSave | None = None
         self._save_s = 0.0
         self._spool = Spool()
@@ -141,8 +141,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int, final: bool) -> bool:
-        """Every `every` steps (0: never) and at the final step."""
-        return bool(self.every and step % self.every == 0) or final
+        """Every `checkpoint.every` steps (0: never) and at the final step."""
+        every = self.settings.every
+        return bool(every and step % every == 0) or final
 
     def save(self, state: TrainState, model: nn.Module, optimizer, blocking: bool = True,
              required: bool = True) -> str | None:
@@ -180,7 +181,7 @@ class Checkpointer:
 
     def _write(self, sd: dict, path: str, injected, group) -> dict[str, dict]:
         """DCP-write this rank's shards; returns {file: {size, checksum}} of the files it wrote."""
-        writer = writing.writer(path, injected, self.fmt)
+        writer = writing.writer(path, injected, self.settings.format)
         with self._stalls.guard("writing a checkpoint", path):
             with shard_format.quiet_single_process():
                 dcp.save(sd, storage_writer=writer, process_group=group, no_dist=self.info.world == 1)
@@ -256,11 +257,11 @@ class Checkpointer:
             return True
         message = f"checkpoint step {state.step} at {path} was not committed: " + "; ".join(errors)
         self.failed_in_a_row += 1
-        if required or self.failed_in_a_row > self.max_failed_saves:
+        if required or self.failed_in_a_row > self.settings.max_failed_saves:
             log.error("%s", message)  # on every rank (the others say which rank they are)
             raise (CheckpointStorageError if unavailable else CheckpointError)(message)
         log.warning("%s (%d of %d failed saves in a row allowed; training goes on from the previous commit)",
-                    message, self.failed_in_a_row, self.max_failed_saves)
+                    message, self.failed_in_a_row, self.settings.max_failed_saves)
         if self.info.is_main:
             self._event("checkpoint_failed", step=state.step, error="; ".join(errors))
             with contextlib.suppress(Exception):  # the partial step must not keep the disk full
@@ -279,7 +280,7 @@ class Checkpointer:
         """Rank 0, once `step` is committed: prune and record it. Neither may fail the save (nor keep
         rank 0 from the broadcast that follows)."""
         def prune() -> None:
-            commit.prune(self.root, step, self.keep, self.keep_every, frozenset(self._unusable))
+            commit.prune(self.root, step, self.settings.keep, self.settings.keep_every, frozenset(self._unusable))
             self._unusable.difference_update([s for s in self._unusable if s >= step])  # gone, or re-saved
 
         for what, then in (("deleting old steps", prune),

@@ -55,7 +55,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +78,8 @@ RUN_ID_FILE = "memory-tier.json"  # in run.dir: {"run_id": ..., "auto_every": ..
 OWNER = "owner.json"  # in the run's memory directory: {"run_dir": ...}
 MEMORY_DIR_ENV = "REKINDLE_MEMORY_DIR"  # the default checkpoint.memory_dir, where set
 
-__all__ = ["MEMORY_DIR_ENV", "OWNER", "RUN_ID_FILE", "SLOTS", "MemoryTier", "config_identity", "default_dir",
-           "run_record"]
+__all__ = ["MEMORY_DIR_ENV", "OWNER", "RUN_ID_FILE", "SLOTS", "MemoryTier", "TierSetup", "config_identity",
+           "default_dir", "run_record"]
 
 
 def default_dir() -> str:
@@ -124,43 +124,89 @@ def config_identity(config: dict) -> str:
 
 
 
-class MemoryTier:
-    """One rank's snapshots (write in the background, scan, agree, load); see the module docstring."""
+@dataclass(frozen=True)
+class TierSetup:
+    """What a rank's memory tier is built for, beside the checkpoint settings: the run's id (`run_record`) and
+    config hash (`config_identity`), which tag its snapshots; the run's directory, which owns the run's memory
+    directory; the ranks per node (None: all on one node); what a failed snapshot calls with its error."""
 
-    def __init__(self, settings: CheckpointConfig, info: DistInfo, run: str, config_sha256: str, every: int,
-                 run_dir: str, on_failure: Callable[[str], None] | None = None,
-                 local_world: int | None = None) -> None:
-        """`settings`: checkpoint.memory_dir (empty: `default_dir()`) and checkpoint.memory_replicas; `run`:
-        the run's id; `every`: the interval in use (memory_every, or what `auto` chose)."""
-        rank, world, replicas = info.rank, info.world, settings.memory_replicas
-        self.dir = Path(settings.memory_dir or default_dir()) / run
-        self.run, self.config_sha256, self.rank, self.world, self.every = run, config_sha256, rank, world, every
-        self.local_world = local_world or world  # ranks per node: nodes hold contiguous blocks of ranks
-        nodes = world // self.local_world if world % self.local_world == 0 else 1
-        self.replicas = min(replicas, 1) if nodes > 1 else 0
+    run_id: str
+    config_sha256: str
+    run_dir: str
+    local_world: int | None = None
+    on_failure: Callable[[str], None] | None = None  # once per run of failures in a row
+
+
+@dataclass(frozen=True)
+class TierRanks:
+    """This rank among the tier's: nodes hold contiguous blocks of `local_world` ranks; with `replicas` (0
+    or 1) each part also goes to the buddy, the rank with the same local rank on the next node, and this
+    rank keeps the part of its source, the rank with its local rank on the previous node."""
+
+    rank: int
+    world: int
+    local_world: int
+    replicas: int
+
+    @property
+    def buddy(self) -> int:
+        return (self.rank + self.local_world) % self.world
+
+    @property
+    def source(self) -> int:
+        return (self.rank - self.local_world) % self.world
+
+
+@dataclass
+class WriteStats:
+    """How this rank's snapshot writes went; memory_auto times the snapshots by the last three."""
+
+    bytes: int = 0  # the size of the last part written
+    failed_in_a_row: int = 0
+    sized: bool = False  # the sizes were said (at the first write that succeeded, and after failures)
+    waited_s: float = 0.0  # the training thread's total wait for a write in flight
+    call_s: float = 0.0  # the last snapshot() on the training thread, less its wait for the previous one
+    write_s: float = 0.0  # the last background write (and exchange) that finished
+
+
+@dataclass
+class Restoring:
+    """What restoring found beside the parts it loads."""
+
+    skipped: list[str] = field(default_factory=list)  # why the last scan passed over parts on this node
+    elsewhere: memory_slots.Elsewhere = field(default_factory=dict)  # the last scan's parts of another world size
+    extra: dict = field(default_factory=dict)  # what the loaded snapshot carried besides the state: {"records"}
+
+
+class MemoryTier:
+    """One rank's snapshots (write in the background, scan, agree, load); see the module docstring. Fixed
+    when built: its `setup`, its `ranks` and its directory; then changing: the interval (`every`, settled
+    when `auto` stops `measuring`), how the writes went (`writes`) and what restoring found (`restoring`)."""
+
+    def __init__(self, settings: CheckpointConfig, info: DistInfo, setup: TierSetup, every: int | None) -> None:
+        """`settings`: checkpoint.memory_dir (empty: `default_dir()`) and checkpoint.memory_replicas; `every`:
+        the interval in use (memory_every, or what `auto` chose), None while `auto` still times the first
+        steps (`measuring`; a snapshot every step meanwhile)."""
+        local_world = setup.local_world or info.world
+        nodes = info.world // local_world if info.world % local_world == 0 else 1
+        replicas = min(settings.memory_replicas, 1) if nodes > 1 else 0
+        self.setup, self.ranks = setup, TierRanks(rank=info.rank, world=info.world, local_world=local_world,
+                                                  replicas=replicas)
+        self.every, self.measuring = every or 1, every is None
+        self.dir = Path(settings.memory_dir or default_dir()) / setup.run_id
         # The peer copies travel on a group of their own (the training thread's collectives are on the
         # default one). Made by every rank, in the same order, when the tier is built.
-        self._group = dist.new_group(backend="gloo") if self.replicas else None
-        self.buddy = (rank + self.local_world) % world  # gets this rank's part
-        self.source = (rank - self.local_world) % world  # sends its part here
+        self._group = dist.new_group(backend="gloo") if replicas else None
         self.dir.mkdir(parents=True, exist_ok=True)
-        owner = {"run_dir": str(Path(run_dir).resolve())}
+        owner = {"run_dir": str(Path(setup.run_dir).resolve())}
         if not (self.dir / OWNER).exists():
             storage.atomic_write(self.dir / OWNER, json.dumps(owner).encode())
-        if rank % self.local_world == 0:  # one rank per node sweeps (and rank 0 says so)
+        if info.rank % local_world == 0:  # one rank per node sweeps (and rank 0 says so)
             self._sweep(owner)
         self._writer = BackgroundWriter("memory")
         self._parts = PartLayout()
-        self.on_failure = on_failure or (lambda message: None)
-        self.failed_in_a_row = 0
-        self.bytes = 0
-        self._sized = False
-        self.waited_s = 0.0
-        self.call_s = 0.0  # the last snapshot() on the training thread, less its wait for the previous one
-        self.write_s = 0.0  # the last background write (and exchange) that finished
-        self.skipped: list[str] = []  # why the last scan passed over parts on this node
-        self.elsewhere: memory_slots.Elsewhere = {}  # the last scan's parts of another world size
-        self.restored_extra: dict = {}  # what the loaded snapshot carried besides the state
+        self.writes = WriteStats()
+        self.restoring = Restoring()
 
     def rebind_groups(self, mapping: dict) -> None:
         """In-process recovery: the peer copies' group, re-formed (trainer.recovery.regroup)."""
@@ -177,14 +223,14 @@ class MemoryTier:
                 continue
             if stale:
                 shutil.rmtree(other, ignore_errors=True)
-                if self.rank == 0:
+                if self.ranks.rank == 0:
                     log.info("removed the memory snapshots of an earlier run of this run.dir (%s)", other)
 
     def _slot(self, step: int) -> int:
         return memory_slots.slot_of(step, self.every)
 
     def _paths(self, slot: int, rank: int | None = None, peer: bool = False) -> tuple[Path, Path]:
-        return memory_slots.part_paths(self.dir, slot, self.rank if rank is None else rank, peer)
+        return memory_slots.part_paths(self.dir, slot, self.ranks.rank if rank is None else rank, peer)
 
     # ------------------------------------------------------------------ writing
     def due(self, step: int) -> bool:
@@ -203,13 +249,13 @@ class MemoryTier:
         # and without copies: none of its values is changed in place while the writer runs.
         kept = {f.name: getattr(state, f.name) for f in fields(state) if f.name not in ("config", "model", "rng")}
         header = {
-            "version": VERSION, "run_id": self.run, "config_sha256": self.config_sha256, "rank": self.rank,
-            "world": self.world, "step": state.step,
+            "version": VERSION, "run_id": self.setup.run_id, "config_sha256": self.setup.config_sha256,
+            "rank": self.ranks.rank, "world": self.ranks.world, "step": state.step,
             "state": kept, "rng": base64.b64encode(torch.get_rng_state().numpy()).decode(),
             "param_groups": hyper_parameters(optimizer), "records": list(records),
         }
         self._writer.submit(self._write, header, layout)
-        self.call_s = time.perf_counter() - start
+        self.writes.call_s = time.perf_counter() - start
 
     @torch.no_grad()
     def _write(self, header: dict, layout: Layout) -> None:
@@ -222,10 +268,10 @@ class MemoryTier:
         except Exception as e:  # noqa: BLE001 - raised after the exchange
             error = e
         if self._group is not None:
-            slot = self._slot(header["step"])
+            slot, ranks = self._slot(header["step"]), self.ranks
             memory_peers.exchange(self._paths(slot) if error is None else None,
-                                  self._paths(slot, self.source, peer=True), self.buddy, self.source, self._group)
-        self.write_s = time.perf_counter() - start
+                                  self._paths(slot, ranks.source, peer=True), ranks.buddy, ranks.source, self._group)
+        self.writes.write_s = time.perf_counter() - start
         if error is not None:
             raise error
 
@@ -236,7 +282,7 @@ class MemoryTier:
         checksum = memory_slots.write_data(binary, head, self._parts.views(layout), size)
         header.update(bytes=size, checksum=checksum, tensors=table, records=[r.to_json() for r in header["records"]])
         memory_slots.write_header(head, header, self._parts.table_json(table))
-        self.bytes = size
+        self.writes.bytes = size
 
     def wait(self) -> None:
         """Block until the snapshot in flight is written. A failed one (memory full, ...) is a warning:
@@ -244,50 +290,51 @@ class MemoryTier:
         if not self._writer.pending:
             return
         start = time.perf_counter()
-        error = self._writer.wait()
+        error, writes = self._writer.wait(), self.writes
         if error is None:
-            if self.failed_in_a_row or not self._sized:
-                self._sized = True
-                if self.rank == 0:
-                    held = SLOTS * (2 if self.replicas else 1)
+            if writes.failed_in_a_row or not writes.sized:
+                writes.sized = True
+                if self.ranks.rank == 0:
+                    held = SLOTS * (2 if self.ranks.replicas else 1)
                     log.info("memory tier: %.1f MB per snapshot on rank 0, at most %.1f MB held per rank",
-                             self.bytes / 1e6, held * self.bytes / 1e6)
-            self.failed_in_a_row = 0
+                             writes.bytes / 1e6, held * writes.bytes / 1e6)
+            writes.failed_in_a_row = 0
         else:  # a lost snapshot must not stop the training
-            self.failed_in_a_row += 1
-            if self.failed_in_a_row == 1:
-                self.on_failure(f"{type(error).__name__}: {error}")
-        self.waited_s += time.perf_counter() - start
+            writes.failed_in_a_row += 1
+            if writes.failed_in_a_row == 1 and self.setup.on_failure is not None:
+                self.setup.on_failure(f"{type(error).__name__}: {error}")
+        writes.waited_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ reading
     def scan(self) -> Found:
         """The parts on this node that this rank looks after (those of ranks with its local rank: its own
         and the peer copies it received), complete, of this run, config and world size, that verify:
         {(rank, step): (bin, header)}. A part that does not is skipped and said."""
-        mine = {p for p in range(self.world) if p % self.local_world == self.rank % self.local_world}
-        identity = {"run_id": self.run, "world": self.world, "config_sha256": self.config_sha256}
-        found, self.skipped, self.elsewhere = memory_slots.scan(self.dir, mine, identity)
+        ranks = self.ranks
+        mine = {p for p in range(ranks.world) if p % ranks.local_world == ranks.rank % ranks.local_world}
+        identity = {"run_id": self.setup.run_id, "world": ranks.world, "config_sha256": self.setup.config_sha256}
+        found, self.restoring.skipped, self.restoring.elsewhere = memory_slots.scan(self.dir, mine, identity)
         return found
 
     def plan(self, found: dict[tuple[int, int], Any]) -> tuple[int | None, dict[int, int]]:
         """Collective: the newest step of which every rank's part is held by some rank, and who gives
         each rank its part ({rank: holder}; the rank itself where it holds it)."""
-        return memory_peers.plan(found, self.world)
+        return memory_peers.plan(found, self.ranks.world)
 
     def fetch(self, step: int, givers: dict[int, int], found: Found) -> tuple[Path, dict]:
         """Collective: every part whose rank does not hold it is sent by its holder and kept as that rank's
         own slot. Returns this rank's part of `step` (bin, header)."""
-        return memory_peers.fetch(self.rank, step, givers, found, self._paths(self._slot(step)))
+        return memory_peers.fetch(self.ranks.rank, step, givers, found, self._paths(self._slot(step)))
 
     def plan_reshard(self) -> tuple[int, int] | None:
         """Collective, after a `scan` and a `plan` that found nothing of this world: (world, step) of the
         newest snapshot of another world size of which every rank's node holds every part (a lost node's
         parts as peer copies), or None."""
-        complete = sorted((step, world) for (world, step), parts in self.elsewhere.items()
+        complete = sorted((step, world) for (world, step), parts in self.restoring.elsewhere.items()
                           if set(parts) == set(range(world)))
         everyone = [complete]
-        if self.world > 1:
-            everyone = [None] * self.world
+        if self.ranks.world > 1:
+            everyone = [None] * self.ranks.world
             dist.all_gather_object(everyone, complete)
         common = set.intersection(*(set(map(tuple, keys)) for keys in everyone))
         if not common:
@@ -299,16 +346,16 @@ class MemoryTier:
                        optimizer: torch.optim.Optimizer) -> TrainState:
         """Collective: restore this rank's rows of the `world`-rank snapshot of `step` from this node's
         parts of it (trainer.checkpoint.memory_reshard); returns its train state (of the old world)."""
-        parts = self.elsewhere[(world, step)]
-        state = memory_reshard.restore(parts, model, optimizer, self.rank, self.world)
-        self.restored_extra = {"records": parts[self.rank % world][1].get("records", [])}
+        parts, rank = self.restoring.elsewhere[(world, step)], self.ranks.rank
+        state = memory_reshard.restore(parts, model, optimizer, rank, self.ranks.world)
+        self.restoring.extra = {"records": parts[rank % world][1].get("records", [])}
         return state
 
     def load(self, binary: Path, header: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
         """Restore this rank's part of a verified snapshot in place: tensors, hyper-parameters, RNG;
         returns its train state. The optimizer's state is made first if it has none yet."""
         state = restore(binary, header, model, optimizer)
-        self.restored_extra = {"records": header.get("records", [])}
+        self.restoring.extra = {"records": header.get("records", [])}
         return state
 
     # ------------------------------------------------------------------ the end
@@ -321,11 +368,11 @@ class MemoryTier:
             self._writer.close()
         if remove:
             for slot in range(SLOTS):
-                for path in (*self._paths(slot), *self._paths(slot, self.source, peer=True)):
+                for path in (*self._paths(slot), *self._paths(slot, self.ranks.source, peer=True)):
                     path.unlink(missing_ok=True)
                     for torn in storage.leftover_temps(str(path)):  # a header write a kill cut short
                         Path(torn).unlink(missing_ok=True)
-            for parts in self.elsewhere.values():  # an earlier world's parts (this world resumed from them)
+            for parts in self.restoring.elsewhere.values():  # an earlier world's parts (this world resumed from them)
                 for binary, _ in parts.values():
                     binary.unlink(missing_ok=True)
                     memory_slots.head_of(binary).unlink(missing_ok=True)
@@ -339,6 +386,6 @@ class MemoryTier:
     def describe(self, how_often: str = "") -> str:
         """Where and how much, for the start-up line; `how_often` replaces "every N step(s)"."""
         free = shutil.disk_usage(self.dir).free
-        copies = f" + {SLOTS} peer copies (on the next node)" if self.replicas else ""
+        copies = f" + {SLOTS} peer copies (on the next node)" if self.ranks.replicas else ""
         return (f"{how_often or f'every {self.every} step(s)'} to {self.dir}: {SLOTS} slots per rank{copies}, "
                 f"each the size of the rank's shard of the model and optimizer; {free / 1e9:,.1f} GB free there")

@@ -110,7 +110,7 @@ class Measure:
 
     def note(self, step_s: float, call_s: float, waited_total_s: float, write_s: float) -> None:
         """One step: its time, and what a snapshot costs: starting it, waiting for the previous one (the
-        tier's total wait so far, `MemoryTier.waited_s`), and the last background write, which counts on
+        tier's total wait so far, `MemoryTier.writes.waited_s`), and the last background write, which counts on
         a CPU."""
         waited, self.waited_s = waited_total_s - self.waited_s, waited_total_s
         self.steps_s.append(step_s)

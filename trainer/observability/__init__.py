@@ -1,6 +1,7 @@
 """What a run says about itself.
 
-    metrics       step timing and its breakdown, MFU, metrics.jsonl, TensorBoard, the progress bar
+    metrics       step timing and its breakdown, MFU, metrics.jsonl, TensorBoard
+    display       the progress bar (or a printed line per logged record) on rank 0
     stragglers    per-rank work scores and the straggler verdicts
     wandb_log     the same scalars in Weights & Biases (optional)
     profiling     torch.profiler over chosen steps

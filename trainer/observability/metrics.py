@@ -1,13 +1,12 @@
 """Step metrics: tokens/s, MFU, memory, where the step time goes (StepTimer, LogWindow); `metrics.jsonl`
 and TensorBoard scalars in the run directory, the same scalars to W&B (trainer.observability.wandb_log); the progress
-display on rank 0."""
+display on rank 0 (trainer.observability.display)."""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
+from trainer.observability.display import ProgressDisplay
 from trainer.observability.startup import remembered
 from trainer.runtime.protocol import open_jsonl
 
@@ -309,32 +308,25 @@ def format_breakdown(parts: dict[str, float]) -> str:
 
 class MetricsLog:
     """Rank 0's view of the run: appends to metrics.jsonl (and TensorBoard with log.tensorboard, W&B with
-    log.wandb) and drives the progress display."""
+    log.wandb) and drives the progress display (trainer.observability.display)."""
 
     def __init__(self, run_dir: str, train: TrainConfig, settings: LogConfig, start_step: int, enabled: bool,
                  wandb: WandbLog | None = None) -> None:
         self.enabled = enabled
         self.wandb = wandb
-        self.log_every, self.eval_every = train.log_every, train.eval_every
-        total_steps, progress, tensorboard = train.steps, settings.progress, settings.tensorboard
+        self.log_every, self.eval_every, self.total_steps = train.log_every, train.eval_every, train.steps
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None  # opened at the first record, kept open (one write per record)
         self.tb = None
-        if enabled and tensorboard:
+        if enabled and settings.tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
             # A resumed run redoes the steps after its checkpoint: TensorBoard hides what an earlier attempt
             # logged from that step on (purge_step; from step 1 when it starts over), so each curve has each
             # step once.
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step + 1)
-        self.interactive = progress and sys.stderr.isatty()
-        self.bar = None
-        if enabled and self.interactive:
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
-        self.progress = progress
-        self.total_steps = total_steps
-        self.started = time.perf_counter()
-        self.start_step = start_step
+        self.display = ProgressDisplay(total_steps=train.steps, start_step=start_step, progress=settings.progress,
+                                       shown=enabled)
         # What an earlier attempt wrote last: records restored from a memory snapshot up to it are on disk.
         self.logged_through = last_logged_step(self.path) if enabled else 0
 
@@ -344,8 +336,7 @@ class MetricsLog:
                 or bool(self.eval_every and step % self.eval_every == 0))
 
     def step(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
+        self.display.step(step)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -359,30 +350,14 @@ class MetricsLog:
                 self.tb.add_scalar(tag, value, record["step"], walltime=record.get("time"))
         if self.wandb is not None:
             self.wandb.log(scalars, record["step"])
-        summary = self._format(record)
-        if self.bar is not None:
-            self.bar.set_postfix_str(summary, refresh=False)
-        elif self.progress:
-            done = record["step"] - self.start_step
-            elapsed = time.perf_counter() - self.started
-            eta = elapsed / max(done, 1) * (self.total_steps - record["step"])
-            print(f"step {record['step']:>6}/{self.total_steps} | {summary} | eta {eta:5.0f}s", flush=True)
-
-    @staticmethod
-    def _format(r: dict) -> str:
-        parts = [f"loss {r['loss']:.4f}"]
-        if "eval_loss" in r:
-            parts.append(f"eval {r['eval_loss']:.4f}")
-        parts += [f"lr {r['lr']:.2e}", f"{r['tokens_per_s']:,.0f} tok/s", f"mfu {100 * r['mfu']:.1f}%"]
-        return " | ".join(parts)
+        self.display.show(record)
 
     def close(self, clean: bool = True) -> None:
         """`clean`: the run ended without an error (W&B marks the run finished, else failed)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self.bar is not None:
-            self.bar.close()
+        self.display.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

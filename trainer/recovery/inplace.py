@@ -42,14 +42,14 @@ def recover(run: Run, meters: Meters, progress: Progress,
     """Survive a lost peer in place; returns the run (rebuilt when the world got smaller), the restored
     progress and fresh meters. Raises (ending the process, so that the launcher restarts the group) when
     it cannot."""
-    regroup: Regroup = run.regroup
+    regroup: Regroup = run.process.regroup
     t_error = time.time()
     generation = keys.next_generation(regroup.generation)
     first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     log.warning("a peer rank was lost (%s): recovering in process, generation %d", first_line, generation)
     # The old generation's times go at once: a record read mid-recovery must not pass for a resumed one.
-    run.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0)
-    run.heartbeat.beat("recover", t_error=t_error, recovering=generation)
+    run.process.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0)
+    run.process.heartbeat.beat("recover", t_error=t_error, recovering=generation)
     cut = regroup.leave()
     try:
         regroup.noticed(generation)
@@ -58,12 +58,12 @@ def recover(run: Run, meters: Meters, progress: Progress,
     forget_the_step(run)
     abandon_background_work(run)
     close_meters(meters)
-    run.preemption.restart_agreement()
+    run.process.preemption.restart_agreement()
     t_left = time.time()
     try:
         regroup.announce(generation, "survivor")
         publish_setup(run, regroup, generation)
-        arrived = regroup.wait_for_all(generation, stop=lambda: run.preemption.received)
+        arrived = regroup.wait_for_all(generation, stop=lambda: run.process.preemption.received)
     except dist.DistError as e:  # the launcher's store: its node is lost with the rendezvous
         fault.stop_now(f"the launcher's store stopped answering during the in-process recovery of generation "
                        f"{generation} ({type(e).__name__}: {str(e).splitlines()[0][:120]}): this rank cannot go on",
@@ -84,12 +84,12 @@ def recover(run: Run, meters: Meters, progress: Progress,
         del mapping
     release_elsewhere(error, old_groups)
     t_reformed = time.time()
-    run.heartbeat.record.update(generation=generation)
+    run.process.heartbeat.record.update(generation=generation)
     progress = resume(run)
     t_restored = time.time()
     meters = start_meters(run, progress)
     replaced = sorted(r for r, a in arrived.items() if a["who"] == "replacement")
-    run.heartbeat.beat(None, in_process=True, generation=generation, t_error=t_error, t_left=t_left,
+    run.process.heartbeat.beat(None, in_process=True, generation=generation, t_error=t_error, t_left=t_left,
                        t_joined=t_joined, t_reformed=t_reformed, t_restored=t_restored, kept_pid=True,
                        replaced=replaced)
     log.info("in-process recovery: generation %d (world %d) with rank(s) %s replaced; resumed at step %d (%s): "
@@ -130,8 +130,8 @@ def rebuild_smaller(run: Run, regroup: Regroup, generation: int, world: SmallerW
     os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.world))  # as a start in this world would see
     info = replace(old, rank=world.rank, world=world.world)
     logs.setup(rank=info.rank, verbose=info.is_main)
-    run.heartbeat.renumber(world.rank)  # the launcher knows this rank by its new number too (agent.renumber)
-    return build(run.cfg, info, run.heartbeat, run.preemption, run.stalls, regroup)
+    run.process.heartbeat.renumber(world.rank)  # the launcher knows this rank by its new number too (agent.renumber)
+    return build(run.cfg, info, run.process)  # its heartbeat, preemption flag, stall watch and regroup: the same
 
 
 def forget_the_step(run: Run) -> None:
@@ -177,9 +177,9 @@ def publish_setup(run: Run, regroup: Regroup, generation: int) -> None:
     """What a replacement needs from the start-up collectives it missed: the memory tier's run id and
     interval. Every survivor writes the same value; the replacement reads it (`joining_setup`)."""
     memory = run.memory
-    setup = {"run_id": memory.run if memory is not None else None,
+    setup = {"run_id": memory.setup.run_id if memory is not None else None,
              "every": memory.every if memory is not None else 0,
-             "measuring": run.memory_auto}
+             "measuring": memory is not None and memory.measuring}
     regroup.store.set(keys.setup_key(generation), json.dumps(setup))
 
 
