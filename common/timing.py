@@ -35,6 +35,9 @@ TOLD_S = 5.0  # ranks told to go on in a smaller world and not done by then: the
 EXIT_BARRIER_S = 60.0  # torchelastic's: the nodes of a finished group wait for each other this long before exiting
 SURVIVOR_GRACE_S = 5.0  # the most a failed group's survivors get to exit before SIGKILL (torchrun: 30)
 AGAIN_AFTER_S = 1.0  # a second signal to the launcher this long after the first stops at once
+IDLE_PATIENCE_S = 2.0  # signalled, and no rank running: how long the launcher waits for a group that may start
+OUTCOME_RESERVE_S = 1.0  # the end of the grace period a preempted launcher keeps for its own outcome
+STORE_PROBE_S = 0.2  # how long a launcher's probe waits for the ranks' coordination store to accept a connection
 HANG_EXIT_WAIT_S = 10.0  # a hung rank SIGKILLed alone: how long its exit may take to reach the agent
 
 # What relies on what: (the ordering, whether it holds, why it matters), checked at import.

@@ -6,6 +6,7 @@
     actions      how the supervisor carries out the coordinator's actions (the only place they touch the world)
     nodes        membership (composed into the supervisor): the endpoint list, spares, silent nodes
     liveness     whether the launchers of a job still hear each other: counters on the rendezvous store
+    preemption   SIGTERM to the launcher: passed to the ranks, the grace period, a second signal
     outcome      the exit code and its one line; commits: what the checkpoint store says was committed
     agent        torchrun's LocalElasticAgent with the supervisor's hooks (the only file touching its internals)
     rendezvous   the c10d rendezvous (loopback-only store on one node; an ordered endpoint list to move down

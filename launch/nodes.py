@@ -18,6 +18,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from common.clock import wait_until
+from common.timing import MOVE_WAIT_S
 from launch import rendezvous
 from launch.ledger import Ledger
 from launch.liveness import Liveness
@@ -112,9 +113,6 @@ class Membership:
             return None
         return Silence(silent=tuple(silent), group_size=group[2], last_endpoint=self.last_endpoint,
                        last_heard=self.liveness.last_heard(silent), lost_s=self.liveness.lost_s)
-
-
-MOVE_WAIT_S = 10.0  # how long a launcher moving down the list waits for the next endpoint's store to listen
 
 
 def _wait_for_store(endpoint: str, timeout_s: float) -> None:

@@ -8,9 +8,8 @@ rendezvous from `launch.rendezvous`) on a thread of its own, and composes what t
 - membership (`launch.nodes`): the endpoint list, spares, and whether the other nodes still answer;
 - a node joining (a membership change) is no failure: the agent drains the ranks (SIGTERM and the
   grace period to commit an emergency checkpoint) before restarting the group with the new node;
-- preemption (`Preemption`): SIGTERM (or Ctrl-C) to the launcher is passed to the ranks, which finish the
-  step, commit an emergency checkpoint and exit 75 within `fault.preempt_grace_s`; between worker groups
-  (rendezvous, backoff) nothing is left to ask, and the launcher stops at once;
+- preemption (`launch.preemption`): SIGTERM (or Ctrl-C) to the launcher is passed to the ranks, which
+  finish the step, commit an emergency checkpoint and exit 75 within `fault.preempt_grace_s`;
 - the ledger (`launch.ledger`): start, failure, restart, resume, preempt, done in events.jsonl, and the
   outcome with its exit code (common.exits)."""
 
@@ -22,10 +21,9 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from common.timing import AGAIN_AFTER_S
 from launch import failures, outcome, rendezvous
 from launch.actions import carry_out
 from launch.agent import GroupStatus, SupervisedAgent
@@ -34,10 +32,11 @@ from launch.ledger import Ledger, format_summary, resume_line
 from launch.nodes import Membership
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
+from launch.preemption import Preemption
 from launch.recovery.coordinator import Mode, RecoveryCoordinator
 from launch.recovery.events import GroupFailed, GroupLeft, GroupStarted, Observed, Preempted, RanksExited, Tick
 from launch.stub import ZYGOTE_ENV
-from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix, print_stacks
+from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
 from launch.zygote import Zygote
 from trainer.contract import (
     COORD_STORE_ENV,
@@ -51,18 +50,6 @@ from trainer.contract import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Preemption:
-    """A signal to the launcher: when it came (None: none came), whether ranks were running then, the ranks
-    told already, whether a second one asked to stop at once, and the newest commit once asked."""
-
-    at: float | None = None
-    ranks_running: bool = False
-    told: set[int] = field(default_factory=set)
-    hard: bool = False
-    committed_step: int | None = None
 
 
 @dataclass
@@ -102,7 +89,7 @@ class Supervisor:
         self.members = Membership(rendezvous.endpoints(opts.rdzv_endpoint), self.ledger, opts.max_nodes > 1)
         self.agent: SupervisedAgent | None = None  # created for each endpoint met
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
-        self.preemption = Preemption()
+        self.preemption = Preemption(grace_s=f.preempt_grace_s)
         self.ending = Ending()
         if lost is not None:  # the first attempt resumes what it left: count its lost steps from here
             self.ledger.previous_last_step = lost.step
@@ -161,7 +148,7 @@ class Supervisor:
         """Every monitor interval, with the agent's own view; True turns a healthy group into a hung one."""
         now = time.time()
         if self.preemption.at is not None:
-            self._forward_preemption(now)
+            self.preemption.forward(self.agent, now, beats=lambda: self.watchdog.beats(self.attempt))
         if status.state not in ("failed", "succeeded") and now < self._next_check and self.coordinator.pending is None:
             return False
         self._next_check = now + self.cfg.fault.heartbeat_s
@@ -196,20 +183,6 @@ class Supervisor:
         event = self.ledger.observe(beat)
         if event:
             log.info(resume_line(event))
-
-    def _forward_preemption(self, now: float) -> None:
-        """SIGTERM each rank once; SIGKILL them when the grace period is over or a second signal came."""
-        p = self.preemption
-        self.agent.stop_restarts()
-        pids = set(self.agent.worker_pids().values())
-        self.agent.terminate(pids - p.told)
-        p.told |= pids
-        grace = self.cfg.fault.preempt_grace_s
-        if p.hard or now > p.at + grace - min(5.0, 0.25 * grace):  # a reserve to finish in
-            if not p.hard:  # once: where the ranks that did not commit in time are stuck
-                print_stacks(self.watchdog.beats(self.attempt), "did not commit its emergency checkpoint in time")
-            p.hard = True
-            self.agent.kill()
 
     # ------------------------------------------------------------------ main thread
     def run(self) -> int:
@@ -316,20 +289,14 @@ class Supervisor:
             # barrier, where nothing acts on the signal (for up to join_timeout). Stop here.
             now = time.time()
             idle_since = idle_since or now
-            # Idle for 2 s, or less once the end of the grace period nears (a second is kept for the outcome).
-            patience = min(2.0, max(0.0, p.at + self.cfg.fault.preempt_grace_s - 1.0 - now))
-            if p.hard or now - idle_since >= patience:
+            if p.hard or now - idle_since >= p.patience(now):
                 log.info("no worker group is running: stopping now")
                 return
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-        p = self.preemption
-        if p.at is not None:
-            p.hard = p.hard or time.time() - p.at >= AGAIN_AFTER_S
+        name = self.preemption.signalled(signum, time.time(), self.agent is not None and self.agent.running())
+        if name is None:
             return
-        p.at = time.time()
-        p.ranks_running = self.agent is not None and self.agent.running()
-        name = signal.Signals(signum).name
         self.ledger.event("preempt", signal=name, step=self.last_step())
         log.info(f"{name}: asking the ranks to finish the step and commit an emergency checkpoint "
                  f"(grace {self.cfg.fault.preempt_grace_s:.0f}s; send it again a second later to stop at once)")

@@ -8,7 +8,7 @@ own memory directory, memory tier every step): once both train, the second launc
 below it are SIGKILLed and its memory directory deleted (a lost node), and the first goes on alone. The
 modes:
 - `inproc` (`fault.in_process=true`): the survivor keeps its process and goes on in a smaller world
-  (launch/inprocess.py);
+  (launch/recovery/coordinator.py);
 - `restart` (`fault.in_process=false`): the survivor's group restarts through a new rendezvous;
 - `spare`: as inproc, with a third launcher started beyond --nnodes MAX once both train (a spare,
   waiting warm); after the survivor goes on alone, the spare joins at the next rendezvous and the world is

@@ -171,7 +171,8 @@ class RecoveryCoordinator:
         return []
 
     def _preempted(self, event: Preempted) -> list[Action]:  # noqa: ARG002
-        self.state, self.told = Idle(), None
+        """Nothing more is started or judged (the supervisor sends no ticks); a recovery under way is left to
+        the ranks, which commit an emergency checkpoint or exit 75, and may still settle."""
         return []
 
     def _exited(self, e: RanksExited) -> list[Action]:

@@ -52,7 +52,7 @@ class Observed:
 
 @dataclass(frozen=True)
 class Preempted:
-    """A signal asks this node to stop: no recovery is started or finished any more."""
+    """A signal asks this node to stop: no recovery is started any more."""
 
 
 @dataclass(frozen=True)

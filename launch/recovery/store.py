@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from common.net import listening
+from common.timing import STORE_PROBE_S
 from trainer.contract import (
     COORD_STORE_ENV,
     announce_failure,
@@ -21,14 +22,12 @@ from trainer.contract import (
     publish_smaller_world,
 )
 
-PROBE_TIMEOUT_S = 0.2  # how long a probe waits for the store to accept a connection
-
 
 def listens(where: str) -> bool:
     """Whether something accepts a TCP connection at `where` (host:port)."""
     host, _, port = where.rpartition(":")
     try:
-        return listening(host.strip("[]"), int(port), PROBE_TIMEOUT_S)
+        return listening(host.strip("[]"), int(port), STORE_PROBE_S)
     except ValueError:
         return False
 

@@ -1,4 +1,4 @@
-"""In-process recovery (fault.in_process, trainer.recovery.inplace, launch.inprocess) under real faults, 4 gloo
+"""In-process recovery (fault.in_process, trainer.recovery, launch.recovery) under real faults, 4 gloo
 ranks under `python -m launch`: a SIGKILLed rank, then a SIGSTOPped one (killed by the watchdog), then
 a SIGKILLed one while another is frozen (it never notices the failure: the launcher replaces it too), are
 replaced while the other ranks keep their processes, and the run stays bit-identical to an
