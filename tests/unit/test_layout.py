@@ -70,6 +70,47 @@ def test_no_library_file_is_over_400_lines():
     assert not long, sorted(long)
 
 
+# Declarations of the config schema: one field per key, as many as the group has.
+CONFIG_DECLARATIONS = ("trainer/config/", "trainer/model/args.py")
+
+
+def library_trees():
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            yield str(path.relative_to(REPO)), ast.parse(path.read_text())
+
+
+def instance_fields(cls: ast.ClassDef) -> set[str]:
+    """The names a class declares (annotated in its body) or sets on `self` anywhere in it."""
+    names = {node.target.id for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target,
+                                                                                                       ast.Name)}
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        for target in targets:
+            for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self":
+                    names.add(item.attr)
+    return names
+
+
+def test_functions_classes_and_constructors_stay_small():
+    """No function over 60 lines; no class but the config declarations with more than 12 fields; no
+    constructor with more than 7 parameters."""
+    found = []
+    for name, tree in library_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (length := node.end_lineno - node.lineno + 1) > 60:
+                    found.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+                if node.name == "__init__" and (n := len(node.args.args) + len(node.args.kwonlyargs) - 1) > 7:
+                    found.append(f"{name}:{node.lineno} {node.name}: {n} parameters")
+            elif isinstance(node, ast.ClassDef) and not name.startswith(CONFIG_DECLARATIONS):
+                if (n := len(instance_fields(node))) > 12:
+                    found.append(f"{name}:{node.lineno} class {node.name}: {n} fields")
+    assert not found, found
+
+
 def test_the_config_and_the_model_arguments_import_first_in_a_fresh_interpreter_without_torch():
     """Any of them may be a program's first import (trainer.model.args and trainer.config import each
     other's modules: an eager package `__init__` made that a cycle), and none of them loads torch."""
