@@ -3,7 +3,7 @@ imports nothing of theirs (a unit test holds it to that), and nothing of torch.
 
     storage   where bytes live: fsspec file systems, whole-file (atomic, durable) writes, checksums,
               the one classification of "the storage could not be used", the stall watch
-    process   process life: exit_now, is_alive, /proc reads, send_signal (the one kill helper), dying
+    process   process life: exit_now, is_alive, /proc reads, send_signal (the one signal helper) and kill_group, dying
               with a parent
     exits     the exit codes of a rank and of the launcher
     clock     bounded waits: wait_until (poll until a deadline), call_bounded (a call on a thread, bounded)

@@ -1,6 +1,6 @@
 """Process life, shared by the trainer, its loader workers and the launcher (torch-free, so `--help`
 stays fast): how a process ends (`exit_now`), whether another one is alive, what /proc says about it,
-signalling one or its process group (`send_signal`, the one kill helper), and dying with a parent
+signalling one or its process group (`send_signal`, the one signal helper; `kill_group` on it), and dying with a parent
 (PR_SET_PDEATHSIG)."""
 
 from __future__ import annotations
@@ -82,6 +82,14 @@ def send_signal(pid: int, sig: int, *, group: bool) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a rank's process group (its loader workers), and the rank itself should it have left that
+    group: how the launcher kills a trainer it no longer waits for (a hung rank, a survivor that never
+    noticed a failure, a forked rank whose stub is gone)."""
+    send_signal(pid, signal.SIGKILL, group=True)
+    send_signal(pid, signal.SIGKILL, group=False)
 
 
 def die_with_parent(parent_alive: Callable[[], bool]) -> bool:

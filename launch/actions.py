@@ -6,11 +6,10 @@ an event: `CheckHangs` (the watchdog's verdict) and `PublishSmallerWorld` (the s
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.process import send_signal
+from common.process import kill_group
 from launch import failures
 from launch.recovery import store
 from launch.recovery.events import (
@@ -92,8 +91,7 @@ def _do(s: Supervisor, a: Action) -> None:
         if a.event:
             s.ledger.event(a.event, **a.fields)
     elif isinstance(a, Kill):
-        send_signal(a.pid, signal.SIGKILL, group=True)
-        send_signal(a.pid, signal.SIGKILL, group=False)
+        kill_group(a.pid)
     elif isinstance(a, PrintStacks):
         print_stacks(a.beats, a.why)
     elif isinstance(a, Announce):

@@ -33,8 +33,9 @@ from launch.nodes import Membership
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
 from launch.preemption import Preemption
-from launch.recovery.coordinator import Mode, RecoveryCoordinator
+from launch.recovery.coordinator import RecoveryCoordinator
 from launch.recovery.events import GroupFailed, GroupLeft, GroupStarted, Observed, Preempted, RanksExited, Tick
+from launch.recovery.states import Mode
 from launch.stub import ZYGOTE_ENV
 from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
 from launch.zygote import Zygote

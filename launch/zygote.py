@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.clock import wait_until
-from common.process import send_signal
+from common.process import kill_group
 from launch import stub
 from trainer.contract import die_with_parent, exit_now, scratch_prefix, sweep_scratch, temp_name
 
@@ -279,13 +279,6 @@ def peer_uid(sock: socket.socket) -> int:
 
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
-
-
-def kill_group(pid: int) -> None:
-    """SIGKILL a trainer's process group (its loader workers), and the trainer itself should it have left
-    that group."""
-    send_signal(pid, signal.SIGKILL, group=True)
-    send_signal(pid, signal.SIGKILL, group=False)
 
 
 def become_trainer(request: dict, fds: list[int], inherited: list[int], server: int) -> None:

@@ -21,8 +21,6 @@ Its clock is the wall clock (`time.time()`): the heartbeat records it compares w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from common.timing import HANG_EXIT_WAIT_S, NODE_HANDLED_S, NODE_LOST_S, RECOVERY_BOUND_S, TOLD_S, UNAWARE_S
 from launch.failures import Failure
 from launch.liveness import goes_on
@@ -55,67 +53,8 @@ from launch.recovery.events import (
     Tick,
     WorldPublished,
 )
+from launch.recovery.states import HangKilled, Idle, Mode, Pending, Recorded, State, Told
 from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV, HeartbeatRecord, next_generation
-
-
-@dataclass(frozen=True)
-class Mode:
-    """What this node's launcher may do: replace failed ranks in process (`in_process`: one node), send a
-    lost node's survivors on in a smaller world (`smaller`: --nnodes MIN:MAX), down to `min_nodes`."""
-
-    in_process: bool
-    single_node: bool
-    smaller: bool = False
-    min_nodes: int = 1
-
-    @property
-    def uses_store(self) -> bool:
-        """Whether the ranks need the coordination store (either kind of in-process recovery)."""
-        return self.in_process or self.smaller
-
-
-@dataclass(frozen=True, slots=True)
-class Idle:
-    """No recovery under way."""
-
-
-@dataclass(slots=True)
-class Pending:
-    """A recovery under way: its generation, when its failure was noticed, the ranks replaced, the survivors
-    on this node (local rank -> pid), the failed ranks' trainer pids (their heartbeats are stale), the ranks
-    of a lost node (the world got smaller), the survivors killed for never noticing the failure."""
-
-    generation: int
-    noticed: float
-    replaced: list[int]
-    kept: dict[int, int] = field(default_factory=dict)
-    dead_pids: frozenset[int] = frozenset()
-    lost: list[int] = field(default_factory=list)
-    unaware: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True, slots=True)
-class HangKilled:
-    """A hung rank was killed alone at `at`: its exit is on its way to the agent, as `failure`."""
-
-    failure: Failure
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Recorded:
-    """The restart policy stopped an in-process recovery: the group's failure, when it comes, is recorded."""
-
-
-@dataclass(frozen=True, slots=True)
-class Told:
-    """The ranks here were told at `at` to leave their generation: nodes silent since `since` are lost."""
-
-    at: float
-    since: float
-
-
-State = Idle | Pending | HangKilled | Recorded
 
 
 class RecoveryCoordinator:
@@ -239,9 +178,12 @@ class RecoveryCoordinator:
         return self._recover(e)
 
     def _recover(self, e: Tick) -> list[Action]:
-        if (stuck := self._overdue(e.now)) or (stuck := self._stuck_unaware(e)):
+        if stuck := self._overdue(e.now):
             return self._fall_back_stuck(*stuck, e.beats, e.step)
-        kills = self._kill_unaware(e)
+        unaware = self._unaware(e)
+        if stuck := self._stuck_unaware(unaware):
+            return self._fall_back_stuck(*stuck, e.beats, e.step)
+        kills = self._kill_unaware(unaware)
         if (lost := self._lost_node(e)) is not None:
             return [*kills, lost]
         if isinstance(self.state, HangKilled) and e.now - self.state.at < HANG_EXIT_WAIT_S:
@@ -353,18 +295,19 @@ class RecoveryCoordinator:
                 if b.pid in kept and rank not in p.unaware and b.phase != "recover"
                 and b.generation < p.generation and b.recovery.recovering < p.generation}
 
-    def _stuck_unaware(self, e: Tick) -> tuple[int, str] | None:
-        """On one node, when none of the survivors noticed: with no survivor to take its settings from, the
-        recovery cannot go on (it is dropped)."""
-        p, found = self.pending, self._unaware(e)
+    def _stuck_unaware(self, found: dict[int, int]) -> tuple[int, str] | None:
+        """On one node, when none of the survivors noticed (`found`: `_unaware`): with no survivor to take its
+        settings from, the recovery cannot go on (it is dropped)."""
+        p = self.pending
         if not found or not self.mode.single_node or set(found.values()) != set(p.kept.values()):
             return None
         self.state = Idle()
         return p.replaced[0], f"no rank noticed the failure of generation {p.generation - 1} within {UNAWARE_S:.0f}s"
 
-    def _kill_unaware(self, e: Tick) -> list[Action]:
-        """Kill the survivors that never noticed: they are replaced in the same generation (each once)."""
-        found, p = self._unaware(e), self.pending
+    def _kill_unaware(self, found: dict[int, int]) -> list[Action]:
+        """Kill the survivors that never noticed (`found`: `_unaware`): they are replaced in the same
+        generation (each once)."""
+        p = self.pending
         if not found:
             return []
         p.unaware |= set(found)

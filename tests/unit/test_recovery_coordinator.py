@@ -12,7 +12,7 @@ from common.exits import EXIT_USAGE
 from common.timing import HANG_EXIT_WAIT_S, NODE_HANDLED_S, NODE_LOST_S, RECOVERY_BOUND_S, TOLD_S, UNAWARE_S
 from launch.failures import Failure, RankExit
 from launch.policy import RestartPolicy
-from launch.recovery.coordinator import HangKilled, Idle, Mode, Pending, Recorded, RecoveryCoordinator
+from launch.recovery.coordinator import RecoveryCoordinator
 from launch.recovery.events import (
     Announce,
     CheckHangs,
@@ -38,6 +38,7 @@ from launch.recovery.events import (
     Tick,
     WorldPublished,
 )
+from launch.recovery.states import HangKilled, Idle, Mode, Pending, Recorded
 from trainer.runtime.protocol import HeartbeatRecord, RecoveryTimes, StartupTimes
 
 T0 = 1000.0  # when the first failure is noticed

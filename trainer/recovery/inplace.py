@@ -90,8 +90,8 @@ def recover(run: Run, meters: Meters, progress: Progress,
     meters = start_meters(run, progress)
     replaced = sorted(r for r, a in arrived.items() if a["who"] == "replacement")
     run.process.heartbeat.beat(None, in_process=True, generation=generation, t_error=t_error, t_left=t_left,
-                       t_joined=t_joined, t_reformed=t_reformed, t_restored=t_restored, kept_pid=True,
-                       replaced=replaced)
+                               t_joined=t_joined, t_reformed=t_reformed, t_restored=t_restored, kept_pid=True,
+                               replaced=replaced)
     log.info("in-process recovery: generation %d (world %d) with rank(s) %s replaced; resumed at step %d (%s): "
              "left the groups in %.3fs (%d connection(s) shut), waited %.3fs for the ranks, re-formed in %.3fs, "
              "restored in %.3fs", generation, run.info.world, replaced, progress.state.step, progress.resumed_tier,
