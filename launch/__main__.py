@@ -10,7 +10,9 @@ import os
 import signal
 import sys
 
-from trainer.contract import EXIT_USAGE, logs
+from common.clock import call_bounded
+from common.timing import MEMORY_SWEEP_S
+from trainer.contract import EXIT_USAGE, Config, logs, memory_sweep
 
 log = logs.get_logger(root=logs.LAUNCHER)
 
@@ -134,6 +136,27 @@ def start_fork_server(cfg):
     return zygote
 
 
+def sweep_memory(cfg: Config) -> list[memory_sweep.Removed]:
+    """Remove this node's memory snapshots of other runs whose run.dir is gone or that are older than
+    checkpoint.memory_max_age_h (trainer.runtime.memory_sweep), one line each, before any rank starts;
+    waited for at most MEMORY_SWEEP_S, so that a file system that stopped answering does not hold the start.
+    Returns what was removed (`memory_sweep.Removed`) within that bound."""
+    ck, removed = cfg.checkpoint, []
+
+    def found(one: memory_sweep.Removed) -> None:
+        removed.append(one)
+        log.info(one.line())
+
+    done = call_bounded(lambda: memory_sweep.sweep(memory_sweep.bases(ck.memory_dir), cfg.run.dir,
+                                                   ck.memory_max_age_h * 3600, on_removed=found),
+                        MEMORY_SWEEP_S, name="memory-sweep")
+    if not done.done:
+        log.warning(f"the sweep of old memory snapshots did not finish within {MEMORY_SWEEP_S:.0f}s: going on")
+    elif done.error is not None:
+        log.warning(f"the sweep of old memory snapshots failed: {type(done.error).__name__}: {done.error}")
+    return list(removed)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_cpp_warnings()
@@ -181,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with lock.claim(cfg.run.dir, job):
             zygote = start_fork_server(cfg)
+            sweep_memory(cfg)  # while the fork server imports torch
             from launch.supervisor import Supervisor  # imports torch, while the fork server does the same
 
             return Supervisor(cfg, opts, zygote).run()

@@ -88,7 +88,9 @@ def _do(s: Supervisor, a: Action) -> None:
     elif isinstance(a, Note):
         if a.line:
             log.info(a.line)
-        if a.event:
+        if a.event == "in_process_done":  # and which endpoint hosts the store after it
+            s.ledger.event(a.event, **a.fields, store=s.members.endpoint)
+        elif a.event:
             s.ledger.event(a.event, **a.fields)
     elif isinstance(a, Kill):
         kill_group(a.pid)

@@ -9,7 +9,7 @@ from launch import rendezvous
 from launch.commits import newest_commit
 from launch.ledger import Attempt
 from launch.policy import Decision
-from trainer.contract import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from trainer.contract import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 
 
 def ended(succeeded: bool, closed: bool, error: BaseException | None, decision: Decision | None, endpoint: str,
@@ -30,6 +30,8 @@ def ended(succeeded: bool, closed: bool, error: BaseException | None, decision: 
         last = " (the last of --rdzv-endpoint)" if listed > 1 else ""
         return EXIT_PREEMPTED, (f"the rendezvous endpoint {endpoint}{last} stopped answering (the node hosting it "
                                 f"is lost, or this one cut off from it): launch again to resume from the newest state")
+    if isinstance(error, rendezvous.AnotherJobsStore):
+        return EXIT_USAGE, str(error)
     if error is not None:
         return EXIT_FAILED, f"launcher error: {type(error).__name__}: {error}"
     if decision is not None:

@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from common import net
 from common.errors import exception_chain
-from common.timing import PROBE_S
+from common.timing import OWNER_WAIT_S, PROBE_S
 from launch.zygote import STUB_PATH
 from trainer.contract import COORD_STORE_ENV, is_loopback, tcp_store_server
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from launch.options import LaunchOptions
 
 DEFAULT_PORT = 29400  # torchrun's
+OWNER_KEY = "rekindle/job"  # the rendezvous id of the job whose launcher hosts the store
 STANDALONE_ENDPOINT = "127.0.0.1:0"  # this node alone: any free loopback port
 
 
@@ -124,8 +125,34 @@ def handler(params: RendezvousParameters) -> tuple[RendezvousHandler, bool]:
     hosted = store is not None
     if store is None:
         store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+    claim_or_check(store, params.run_id, hosted, params.endpoint)
     os.environ[COORD_STORE_ENV] = f"{host}:{store.port}"  # the ranks' store for in-process recovery
     return dynamic_rendezvous.create_handler(store, C10dRendezvousBackend(store, params.run_id), params), hosted
+
+
+class AnotherJobsStore(RuntimeError):
+    """The store at the rendezvous endpoint is hosted by a launcher of another job: this job would live
+    and die with that one."""
+
+
+def claim_or_check(store, job: str, hosted: bool, endpoint: str, wait_s: float = OWNER_WAIT_S) -> None:
+    """One job per store: the launcher hosting it writes its job's rendezvous id under `OWNER_KEY`; a launcher
+    that connects reads it (waiting up to `wait_s` for a host that has just bound the port) and raises
+    AnotherJobsStore when it names another job. A store without the key (not a rekindle launcher's) is
+    used as it is."""
+    if hosted:
+        store.set(OWNER_KEY, job)
+        return
+    try:
+        store.wait([OWNER_KEY], timedelta(seconds=wait_s))
+        owner = store.get(OWNER_KEY).decode()
+    except Exception:  # noqa: BLE001 - no owner written within wait_s: not a rekindle launcher's store
+        return
+    if owner != job:
+        raise AnotherJobsStore(
+            f"the rendezvous store at {endpoint} is hosted by a launcher of another job (rendezvous id "
+            f"{owner!r}; this one is {job!r}): it would end when that job does. Give each job an endpoint of "
+            f"its own (another port), or the same --rdzv-id if they are one job")
 
 
 def local_address(host: str) -> str | None:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.process import is_alive
 from launch import failures, outcome, rendezvous
 from launch.actions import carry_out
 from launch.agent import GroupStatus, SupervisedAgent
@@ -78,7 +79,7 @@ class Supervisor:
         max_restarts = f.max_restarts if opts.max_restarts is None else opts.max_restarts
         policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
         one = opts.max_nodes == 1
-        mode = Mode(in_process=f.in_process and one, single_node=one,
+        mode = Mode(in_process=f.in_process, single_node=one,
                     smaller=f.in_process and opts.min_nodes < opts.max_nodes, min_nodes=opts.min_nodes)
         self.coordinator = RecoveryCoordinator(mode, policy)
         self.ledger = Ledger(Path(cfg.run.dir))
@@ -140,8 +141,10 @@ class Supervisor:
         """In-process recovery: the replacements' environment, or None for a full restart."""
         beats = self.watchdog.beats(self.attempt)
         failure, tb = failures.from_exits(exits, set(), beats, self.last_step())
-        # The trainers' own pids (a warm rank's torchelastic worker is its stub): single node, local = global rank.
-        running = {lr: beats[lr].pid if lr in beats else pid for lr, pid in self.agent.worker_pids().items()}
+        # The trainers' own pids (a warm rank's torchelastic worker is its stub), by local rank.
+        ranks = self.agent.global_ranks()
+        running = {lr: beats[ranks[lr]].pid if ranks.get(lr) in beats else pid
+                   for lr, pid in self.agent.worker_pids().items()}
         exited = RanksExited(exits=exits, failure=failure, beats=beats, running=running, now=time.time(), traceback=tb)
         return carry_out(self, self.coordinator.handle(exited)).env
 
@@ -156,7 +159,8 @@ class Supervisor:
         beats = self.watchdog.beats(self.attempt)
         if (beat := self.coordinator.representative(beats)) is not None:
             self.observe(beat)
-        actions = self.coordinator.handle(Observed(beats))
+        exited = any(not is_alive(b.pid) for b in beats.values())  # after the read: see Observed
+        actions = self.coordinator.handle(Observed(beats, now=now, ranks=self.agent.global_ranks(), exited=exited))
         if self.preemption.at is not None:
             actions += self.coordinator.handle(Preempted())
         elif status.state == "failed":

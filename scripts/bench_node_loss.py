@@ -1,7 +1,9 @@
-"""A lost node, five ways, side by side in one run: lost node -> first resumed step on the node left.
+"""A lost node, five ways, and a lost rank of a multi-node job, three ways, side by side in one run: the
+loss -> the first resumed step.
 
     python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,host,silent]
-                                      [--config configs/smoke.yaml] [key=value ...]
+                                      [--nodes 2,3,4] [--config configs/smoke.yaml] [key=value ...]
+    python scripts/bench_node_loss.py --modes rank,rank-restart,rank-1node --nodes 2,3,4
 
 Each loss is a fresh job of two launchers on loopback (`--nnodes 1:2`, one rank each, each node with its
 own memory directory, memory tier every step): once both train, the second launcher and every process
@@ -19,6 +21,12 @@ modes:
   link is gone: its connections stay open, so no collective of the survivor fails); the survivor's
   launcher finds it silent after launch.liveness.LOST_S and tells its rank to go on without it.
 Each restores the 2-rank memory snapshot resharded (memory-reshard). The modes alternate.
+
+The rank modes run, for each node count N of --nodes, a job of N launchers (`--nnodes N`, one rank each)
+and SIGKILL the trainer process of the highest rank of a node that does not host the store:
+- `rank` (`fault.in_process=true`): its launcher replaces it alone; every other rank keeps its process;
+- `rank-restart` (`fault.in_process=false`): every rank restarts through a new rendezvous;
+- `rank-1node`: the one-node figure of the same world: one launcher with N ranks, in process.
 
 Prints, per loss, the ledger's recovery (the survivor noticing -> its first step) and its split, the tier
 and the lost steps, the time from the SIGKILL to the first resumed step, and each mode's median and
@@ -43,7 +51,10 @@ from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"],
-         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"], "silent": ["fault.in_process=true"]}
+         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"], "silent": ["fault.in_process=true"],
+         "rank": ["fault.in_process=true"], "rank-restart": ["fault.in_process=false"],
+         "rank-1node": ["fault.in_process=true"]}
+RANK_MODES = ("rank", "rank-restart", "rank-1node")
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,10 +63,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--losses", type=int, default=3, help="lost nodes per mode (a fresh job each)")
     p.add_argument("--modes", default="inproc,restart,spare,host,silent",
                    help="which modes: inproc, restart, spare, host, silent")
+    p.add_argument("--nodes", default="2", help="node counts for the rank modes, e.g. 2,3,4")
     p.add_argument("--timeout", type=float, default=180, help="the most any one wait may take (s)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = p.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]
+    args.nodes = [int(n) for n in args.nodes.split(",") if n]
+    if any(n < 2 for n in args.nodes):
+        p.error("--nodes: 2 nodes at least")
     if unknown := [m for m in args.modes if m not in MODES]:
         p.error(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
     return args
@@ -127,17 +142,58 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
             kill_tree(proc.pid)
 
 
+def one_rank_loss(args: argparse.Namespace, out: Path, mode: str, nodes: int, label: str) -> dict:
+    """A job of `nodes` ranks (one launcher per rank, or one launcher with them all for rank-1node): the
+    trainer of the highest rank of a node without the store SIGKILLed once all train; the first resume
+    event after it, with `kill_to_step_s`."""
+    run_dir = out / label
+    endpoint, launchers = f"127.0.0.1:{free_port()}", 1 if mode == "rank-1node" else nodes
+    procs = []
+    for node in range(launchers):
+        cmd = [sys.executable, "-m", "launch", f"--nnodes={launchers}", f"--nproc-per-node={nodes // launchers}",
+               f"--rdzv-endpoint={endpoint}", f"--rdzv-id={label}", str(REPO / args.config), f"run.dir={run_dir}",
+               "log.progress=false", "train.eval_every=0", "train.steps=1000000", "checkpoint.every=100000",
+               "checkpoint.memory_every=1", f"checkpoint.memory_dir={out / f'{label}-shm-{node}'}", *MODES[mode],
+               *args.overrides]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(out / f"{label}-{node}.log").open("w"),
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        wait_until(f"{nodes}-rank training", lambda: last_step(run_dir) >= 20, args.timeout)
+        host = rendezvous_host(run_dir, procs) if launchers > 1 else 0
+        node = launchers - 1 if host != launchers - 1 else 0
+        beats = {b.rank: b.pid for d in run_dir.glob(f"heartbeats-*{procs[node].pid}-*")
+                 for b in read_heartbeats(d).values()}
+        killed = time.time()
+        os.kill(beats[max(beats)], 9)
+        wait_until("a resume", lambda: resumes_after(run_dir, killed), args.timeout)
+        time.sleep(0.5)  # every node's first step in the new generation
+        return {**resumes_after(run_dir, killed)[0], "mode": mode, "nodes": nodes,
+                "kill_to_step_s": first_step_after(run_dir, killed)}
+    finally:
+        for proc in procs:
+            kill_tree(proc.pid)
+
+
 def main() -> int:
     args = parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench-node-loss-"))
     print(f"[bench_node_loss] modes {args.modes}, {args.losses} lost node(s) each, {args.config}, "
           f"{os.cpu_count()} CPU cores, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     rows = []
+    runs = [(m, n) for m in args.modes if m in RANK_MODES for n in args.nodes] + [
+        (m, 2) for m in args.modes if m not in RANK_MODES]
     for i in range(args.losses):
-        for mode in (args.modes if i % 2 == 0 else args.modes[::-1]):
-            row = one_loss(args, out, mode, f"{mode}-{i}")
+        for mode, nodes in (runs if i % 2 == 0 else runs[::-1]):
+            if mode in RANK_MODES:
+                mode_label = f"{mode}-{nodes}n"
+                row = one_rank_loss(args, out, mode, nodes, f"{mode_label}-{i}")
+            else:
+                mode_label = mode
+                row = one_loss(args, out, mode, f"{mode}-{i}")
+            row["mode"] = mode_label
             rows.append(row)
-            print(f"[bench_node_loss] {mode} #{i}: kill -> first resumed step {row['kill_to_step_s']:.2f}s, "
+            print(f"[bench_node_loss] {mode_label} #{i}: kill -> first resumed step {row['kill_to_step_s']:.2f}s, "
                   f"recovery {row['recovery_s']:.2f}s ({row['path']}, {row['tier']}, {row['lost_steps']} lost)",
                   flush=True)
     print(f"\n{'mode':>8} {'path':>11} {'kill->step':>11} {'recovery':>9} {'wait/restart':>13} {'load':>7} "
@@ -146,13 +202,20 @@ def main() -> int:
         waited = r.get("wait_s", r.get("restart_s", 0.0))
         print(f"{r['mode']:>8} {r['path']:>11} {r['kill_to_step_s']:>10.2f}s {r['recovery_s']:>8.2f}s "
               f"{waited:>12.2f}s {r['load_s']:>6.2f}s {r['first_step_s']:>10.2f}s {r['tier']:>15} {r['lost_steps']:>5}")
-    medians = {m: statistics.median(r["kill_to_step_s"] for r in rows if r["mode"] == m) for m in args.modes}
+    labels = list(dict.fromkeys(r["mode"] for r in rows))
+    medians = {m: statistics.median(r["kill_to_step_s"] for r in rows if r["mode"] == m) for m in labels}
     print("\nmedian lost node -> first resumed step: " + ", ".join(f"{m} {v:.2f}s" for m, v in medians.items()))
     if whole := [r["kill_to_whole_s"] for r in rows if "kill_to_whole_s" in r]:
         print(f"spare: median lost node -> first step of the whole world again (the spare in) "
               f"{statistics.median(whole):.2f}s ({', '.join(f'{w:.2f}s' for w in whole)})")
     if {"inproc", "restart"} <= set(medians):
         print(f"inproc / restart: {medians['inproc'] / medians['restart']:.2f}")
+    for n in args.nodes:
+        rank, one, restart = (medians.get(f"{m}-{n}n") for m in RANK_MODES)
+        if rank and one:
+            print(f"{n} nodes: a rank lost, in process across nodes / on one node: {rank / one:.2f}")
+        if rank and restart:
+            print(f"{n} nodes: a rank lost, in process / restart: {rank / restart:.2f}")
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; logs in {out}")
     return 0
 

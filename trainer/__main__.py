@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return protocol.EXIT_USAGE
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+    from common.errors import peer_lost
     from common.storage import caused_by_storage
     from data.shards import CorruptShardError, NotADatasetError, ShardError
     from data.stream import DataStateError
@@ -57,10 +58,16 @@ def main(argv: list[str] | None = None) -> int:
             return protocol.EXIT_USAGE
         return protocol.EXIT_STORAGE if caused_by_storage(e) else protocol.EXIT_FAILED
     except Exception as e:
-        if caused_by_storage(e) is None:
+        if caused_by_storage(e) is not None:
+            print(f"error: storage could not be used: {type(e).__name__}: {e}", file=sys.stderr)
+            return protocol.EXIT_STORAGE  # (record() above has left the error in torchelastic's error file)
+        if not peer_lost(e):
             raise
-        print(f"error: storage could not be used: {type(e).__name__}: {e}", file=sys.stderr)
-        return protocol.EXIT_STORAGE  # (record() above has left the error in torchelastic's error file)
+        # Another rank's failure: its own output says why; this one's traceback would only bury that.
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"[rekindle] a peer rank is gone ({type(e).__name__}: {first_line[:300]}); exiting for the launcher "
+              "to restart the group", file=sys.stderr)
+        return protocol.EXIT_FAILED
     return protocol.EXIT_OK
 
 

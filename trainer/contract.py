@@ -6,6 +6,8 @@ imports from trainer/ (a unit test holds it to that). What crosses:
                                               heartbeat record: HeartbeatRecord, read by read_heartbeats)
   process helpers                             common.process: liveness, dying with a parent
   scratch directories                         trainer.runtime.scratch: per-process temp dirs, dead owners' swept
+  memory_sweep                                trainer.runtime.memory_sweep: this node's memory snapshots of runs
+                                              gone or too old, removed at the launcher's start
   atomic writes                               common.storage: temp names, a file that appears whole
   recovery's keys, next_generation            trainer.recovery.keys: the coordination store's keys (torch-free)
   the job id's env name                       trainer.runtime.lease: the launcher names the job its ranks lease under
@@ -34,6 +36,7 @@ from trainer.config import Config, ConfigError, load, validate
 from trainer.observability import logs
 from trainer.observability.cost import cost_report, format_cost
 from trainer.recovery.keys import arrived_key, failed_key, handled_key, next_generation, store_prefix, world_key
+from trainer.runtime import memory_sweep
 from trainer.runtime.lease import JOB_ENV
 from trainer.runtime.protocol import (
     COORD_STORE_ENV,
@@ -78,5 +81,6 @@ __all__ = [
     "Config", "ConfigError",
     "append_event", "arrived_key", "atomic_file", "failed_key", "handled_key", "next_generation", "store_prefix",
     "world_key", "cost_report", "die_with_parent", "exit_now", "format_cost", "is_alive", "load",
-    "logs", "proc_stat", "read_heartbeats", "scratch_prefix", "sweep_scratch", "temp_name", "validate", *_LAZY,
+    "logs", "memory_sweep", "proc_stat", "read_heartbeats", "scratch_prefix", "sweep_scratch", "temp_name",
+    "validate", *_LAZY,
 ]

@@ -11,8 +11,9 @@ lone node). Beside them: `HangKilled` (a hung rank killed alone, its exit on the
 policy stopped an in-process recovery: the group's failure is in the ledger already), and `told` (the
 ranks here were told to go on without silent nodes).
 
-In-process recovery (`Mode.in_process`, one node): a failed rank is replaced alone, in the next
-generation; the survivors keep their processes. Under `--nnodes MIN:MAX` (`Mode.smaller`) a node whose
+In-process recovery (`Mode.in_process`): a failed rank is replaced alone, in the next generation, by its
+own node's launcher, which leads the recovery; the survivors keep their processes, on every node, and the
+other nodes' launchers follow it (`Pending.followed`). Under `--nnodes MIN:MAX` (`Mode.smaller`) a node whose
 every rank waits for ranks of other nodes whose launcher said nothing (NODE_LOST_S) sends its survivors on
 in a smaller world; a live node's launcher says at once that it handles its ranks' failure (`Announce`),
 and the others wait NODE_HANDLED_S for it at the rendezvous instead.
@@ -157,15 +158,36 @@ class RecoveryCoordinator:
         return self._decide(e.failure, e.traceback, "restart")
 
     def _observed(self, e: Observed) -> list[Action]:
-        """Settle the pending recovery once every rank of this node has finished a step in its generation."""
+        """Follow a recovery that another node's launcher leads (`_follow`); settle the pending recovery once
+        every rank of this node has finished a step in its generation."""
+        if not e.exited:  # (a rank here that died makes the ranks here recover too: its exit is on its way)
+            pids = {r: b.pid for r, b in e.beats.items()}
+            self._follow(e.beats, e.now, {lr: pids[rank] for lr, rank in e.ranks.items() if rank in pids})
         p = self.pending
         ready = [b for b in e.beats.values() if p is not None and b.generation >= p.generation
                  and b.startup.t_first]
         if p is None or not e.beats or len(ready) < len(e.beats):
             return []
         self.state = Idle()
-        return [Note(event="in_process_done", fields=dict(generation=p.generation, replaced=p.replaced,
-                                                           kept_pids=sorted(p.kept.values())))]
+        kept = sorted(p.kept.values())
+        return [Note(event="in_process_done", fields=dict(
+            generation=p.generation, replaced=p.replaced, kept_pids=kept, led=not p.followed,
+            kept_ranks=sorted(r for r, b in e.beats.items() if b.pid in kept)))]
+
+    def _follow(self, beats: Beats, now: float, kept: dict[int, int]) -> None:
+        """Several nodes: the ranks here recover into a generation this launcher did not start (a rank of
+        another node failed, and its launcher replaces it). Follow that recovery as this node's own, with
+        the ranks here (`kept`: local rank -> pid): the watchdog leaves them alone while they wait,
+        RECOVERY_BOUND_S bounds it, a failure here meanwhile falls back to a full restart, and its end is
+        recorded."""
+        if not self.mode.in_process or self.mode.single_node or not isinstance(self.state, Idle):
+            return
+        newer = [b for b in beats.values() if max(b.generation, b.recovery.recovering) > self.generation]
+        if not newer:
+            return
+        self.generation = max(max(b.generation, b.recovery.recovering) for b in newer)
+        noticed = min((b.recovery.t_error for b in newer if b.recovery.t_error), default=now)
+        self.state = Pending(generation=self.generation, noticed=noticed, replaced=[], kept=kept, followed=True)
 
     def _tick(self, e: Tick) -> list[Action]:
         if e.silence is None:
@@ -323,7 +345,8 @@ class RecoveryCoordinator:
     def _lost_node(self, e: Tick) -> PublishSmallerWorld | None:
         """Every rank of this node has been recovering for NODE_LOST_S (NODE_HANDLED_S when the lost ranks'
         launcher said it handles their failure), with no failure of this node's under way: their node is lost."""
-        if not self.mode.smaller or self.pending is not None or not e.local_ranks:
+        p = self.pending
+        if not self.mode.smaller or (p is not None and not p.followed) or not e.local_ranks:
             return None
         waiting = [e.beats.get(rank) for rank in e.local_ranks]
         if not all(b is not None and b.phase == "recover" and b.recovery.recovering for b in waiting):

@@ -45,9 +45,14 @@ class GroupFailed:
 
 @dataclass(frozen=True)
 class Observed:
-    """This node's heartbeat records, read at a monitor interval (whatever the group's state)."""
+    """This node's heartbeat records, read at a monitor interval (whatever the group's state), when, the
+    running group's ranks here (local rank -> global rank), and whether the process of one of those records
+    had exited when looked at after reading them (its exit is yet to be reported)."""
 
     beats: Beats
+    now: float = 0.0
+    ranks: dict[int, int] = field(default_factory=dict)
+    exited: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 a node's launcher may make. Plain data: only the coordinator creates and changes them.
 
     Idle -> Pending(generation) -> Idle (settled) | a full restart (fell back)
+    (Pending is `followed` on the other nodes of a multi-node job: the recovery another node leads)
     HangKilled: a hung rank killed alone, its exit on the way; Recorded: the policy stopped an in-process
     recovery, its failure recorded; Told (beside them): the ranks here told to go on without silent nodes
 """
@@ -15,8 +16,9 @@ from launch.failures import Failure
 
 @dataclass(frozen=True)
 class Mode:
-    """What this node's launcher may do: replace failed ranks in process (`in_process`: one node), send a
-    lost node's survivors on in a smaller world (`smaller`: --nnodes MIN:MAX), down to `min_nodes`."""
+    """What this node's launcher may do: replace failed ranks in process (`in_process`, on any number of
+    nodes), send a lost node's survivors on in a smaller world (`smaller`: --nnodes MIN:MAX), down to
+    `min_nodes`."""
 
     in_process: bool
     single_node: bool
@@ -38,7 +40,8 @@ class Idle:
 class Pending:
     """A recovery under way: its generation, when its failure was noticed, the ranks replaced, the survivors
     on this node (local rank -> pid), the failed ranks' trainer pids (their heartbeats are stale), the ranks
-    of a lost node (the world got smaller), the survivors killed for never noticing the failure."""
+    of a lost node (the world got smaller), the survivors killed for never noticing the failure, and whether
+    another node's launcher leads it (`followed`: its rank failed; the ranks here all survive)."""
 
     generation: int
     noticed: float
@@ -47,6 +50,7 @@ class Pending:
     dead_pids: frozenset[int] = frozenset()
     lost: list[int] = field(default_factory=list)
     unaware: set[int] = field(default_factory=set)
+    followed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

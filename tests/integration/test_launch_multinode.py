@@ -26,7 +26,7 @@ from tests.helpers import (
     finish,
     free_port,
     launch,
-    node_beat,
+    launcher_beats,
     read_metrics,
     wait_for_event,
     wait_for_one_group,
@@ -106,48 +106,89 @@ def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wak
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_rank_failed_on_a_live_node_restarts_both_together_and_its_node_is_not_taken_for_lost(
+def test_a_rank_failed_on_a_live_node_is_replaced_alone_and_every_other_rank_keeps_its_process(
         cache_dir, tmp_path, sig):
-    """--nnodes 1:2, one rank per node: SIGKILL one node's rank, or SIGSTOP it (a hang, which that node's
-    watchdog finds after its fault.hang_timeout_s of 2 s, the other's being 60 s); its launcher lives. That
-    launcher restarts its group (a failed rank of a multi-node job) and first says so on the ranks' store
-    (`announce_failure(handled=True)`), so the other node's launcher, whose rank waits for the lost one, does
-    not take the node for lost after NODE_LOST_S (common.timing) (without the word it went on alone in a
-    world of 1 after 0.4 s, then had to restart again to take the node back; a hang did so until its restart
-    said it too): it finds the node gone to meet again (0.9 s after a kill here) and restarts with it. Both
-    resume at the same step from memory, a world of 2. (Without the word the hung case failed 3 of 6 runs:
-    the other failed when node b took longer than 0.4 s to meet again.)"""
+    """--nnodes 2, two ranks per node: SIGKILL a rank of the node that does not host the store, or SIGSTOP one
+    (a hang, which its node's watchdog finds after its fault.hang_timeout_s of 2 s, the other's being 60 s,
+    and kills alone). Its launcher leads an in-process recovery: it replaces that rank alone in the next
+    generation and says on the ranks' store that it handles the failure, so the other node's launcher
+    follows the recovery instead of taking the node for lost. Every other rank, on both nodes, keeps its
+    pid; nobody meets at the rendezvous again; the ledger has one failure (in process) and each node's end
+    of the recovery (led here, followed there, with the ranks each kept)."""
     endpoint = f"127.0.0.1:{free_port()}"
-    args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=live-node"]
+    args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=live-node"]
     overrides = ["train.steps=60", "checkpoint.every=200", "checkpoint.memory_every=1", "fault.straggler_factor=0"]
 
     def node(name: str, hang_timeout_s: int) -> subprocess.Popen:
         return launch(tmp_path, [*overrides, f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}",
-                                 f"fault.hang_timeout_s={hang_timeout_s}"], nproc=1, extra_args=args)
+                                 f"fault.hang_timeout_s={hang_timeout_s}"], nproc=2, extra_args=args)
 
-    procs = [node("a", 60), node("b", 2)]  # at once: both within the rendezvous's last call (3 s), both take part
+    procs = [node("a", 60), node("b", 2)]
     try:
         wait_for_event(tmp_path, "rendezvous", count=2, launchers=procs)  # both at the rendezvous store
         wait_for_one_group(tmp_path, procs, 15)
         # A killed rank: the guest's (not the rendezvous host's); a hung one: node b's, whose watchdog finds it.
         failed = procs[1 - rendezvous_host(tmp_path, procs)] if sig == signal.SIGKILL else procs[1]
-        os.kill(node_beat(tmp_path, failed.pid).pid, sig)
+        before = {b.rank: b.pid for p in procs for b in launcher_beats(tmp_path, p.pid)}
+        victim = max(b.rank for b in launcher_beats(tmp_path, failed.pid))
+        os.kill(before[victim], sig)
+        wait_for_event(tmp_path, "in_process_done", count=2, launchers=procs, timeout=60)
+        after = {b.rank: b.pid for p in procs for b in launcher_beats(tmp_path, p.pid) if b.generation == 1}
         outs = [finish(p) for p in procs]
     finally:
         for p in procs:
             kill_tree(p.pid)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert sorted(before) == sorted(after) == [0, 1, 2, 3], (before, after)
+    assert after[victim] != before[victim] and {r: after[r] for r in after if r != victim} == {
+        r: before[r] for r in before if r != victim}, (victim, before, after)
     events = read_events(tmp_path)
     failed_node = f"{socket.gethostname()}:{failed.pid}"
-    failures = {e["node"] == failed_node: (e["cause"], e["path"]) for e in events if e["event"] == "failure"}
-    cause = "signal" if sig == signal.SIGKILL else "hang"
-    assert failures == {True: (cause, "restart"), False: ("node", "restart")}, events
-    assert "going on without them" not in "".join(outs) and "world 1 (gloo" not in "".join(outs), outs[0][-3000:]
-    resumes = [e for e in events if e["event"] == "resume"]
-    assert len(resumes) == 2 and len({e["step"] for e in resumes}) == 1, resumes
-    assert all(e["tier"].startswith("memory") and e["lost_steps"] <= 1 for e in resumes), resumes
-    assert not [e for e in events if e["event"] == "restart" and e["reason"] != "failure"], events
+    failures = [(e["node"] == failed_node, e["cause"], e["path"]) for e in events if e["event"] == "failure"]
+    assert failures == [(True, "signal" if sig == signal.SIGKILL else "hang", "in-process")], events
+    done = {e["node"] == failed_node: e for e in events if e["event"] == "in_process_done"}
+    assert done[True]["led"] and not done[False]["led"] and done[True]["replaced"] == [victim], done
+    assert sorted(done[True]["kept_ranks"] + done[False]["kept_ranks"]) == sorted({0, 1, 2, 3} - {victim}), done
+    assert [e for e in events if e["event"] == "rendezvous"][2:] == [], events  # nobody met again
+    assert not [e for e in events if e["event"] == "restart"], events
+    assert "world 3 (gloo" not in "".join(outs) and "world 1 (gloo" not in "".join(outs), outs[0][-3000:]
     assert read_metrics(tmp_path)[60]["step"] == 60
+
+
+def test_a_second_failure_during_a_cross_node_recovery_falls_back_to_a_full_restart_recorded(cache_dir, tmp_path):
+    """--nnodes 2, two ranks per node: the guest's higher rank SIGKILLed, then, as soon as its launcher has
+    recorded the failure (the survivors wait for the replacement, the host's ranks among them), its other
+    rank too. That launcher gives up the in-process path and says why in the ledger; both nodes restart
+    the group together and finish, resuming from memory."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=second-failure"]
+    procs = [launch(tmp_path, ["train.steps=40", "checkpoint.every=200", "checkpoint.memory_every=1",
+                               "fault.straggler_factor=0", f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}"],
+                    nproc=2, extra_args=args) for name in "ab"]
+    try:
+        wait_for_event(tmp_path, "rendezvous", count=2, launchers=procs)
+        wait_for_one_group(tmp_path, procs, 10)
+        guest = procs[1 - rendezvous_host(tmp_path, procs)]
+        ranks = {b.rank: b.pid for b in launcher_beats(tmp_path, guest.pid)}
+        first, second = max(ranks), min(ranks)
+        os.kill(ranks[first], signal.SIGKILL)
+        wait_for_event(tmp_path, "failure", launchers=procs)
+        with contextlib.suppress(ProcessLookupError):  # (gone already: the ledger below says how)
+            os.kill(ranks[second], signal.SIGKILL)
+        (fallback,) = wait_for_event(tmp_path, "in_process_fallback", launchers=procs)
+        outs = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert fallback["rank"] == second and "second failure" in fallback["why"], fallback
+    events = read_events(tmp_path)
+    guest_node = f"{socket.gethostname()}:{guest.pid}"
+    failures = [(e["node"] == guest_node, e["rank"], e["path"]) for e in events if e["event"] == "failure"]
+    assert failures[:2] == [(True, first, "in-process"), (True, second, "restart")], failures
+    resumes = [e for e in events if e["event"] == "resume" and e["path"] == "restart"]
+    assert len(resumes) == 2 and all(e["tier"].startswith("memory") for e in resumes), resumes
+    assert read_metrics(tmp_path)[40]["step"] == 40
 
 
 def test_the_job_moves_down_the_endpoint_list_when_the_rendezvous_host_is_lost(cache_dir, tmp_path):
@@ -225,11 +266,12 @@ def test_a_node_joining_loses_no_step_and_a_node_restarting_the_group_is_a_failu
     """--nnodes 1:2: a second launcher joins a running job. The first group gets SIGTERM and commits
     an emergency checkpoint (no periodic one is due), and the 2-node group resumes from exactly there.
     Then the guest's rank is SIGKILLed while the host's is SIGSTOPped (it cannot fail by itself): the
-    guest's launcher restarts the group and waits to meet again. The host's takes that for a failure and
-    restarts at once, not for a node joining (SIGTERM, then a 30 s grace that the stopped rank never ends)."""
+    guest's launcher restarts the group (in-process recovery off, as after any fallback to a full restart)
+    and waits to meet again. The host's takes that for a failure and restarts at once, not for a node
+    joining (SIGTERM, then a 30 s grace that the stopped rank never ends)."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=scale-up"]
-    overrides = ["train.steps=400", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
+    overrides = ["train.steps=400", "checkpoint.every=1000", "fault.preempt_grace_s=30", "fault.in_process=false"]
     host = launch(tmp_path, overrides, nproc=1, extra_args=args)
     alone = wait_for_step(tmp_path, 10)
     guest = launch(tmp_path, overrides, nproc=1, extra_args=args)

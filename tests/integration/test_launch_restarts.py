@@ -1,5 +1,6 @@
 """The elastic launcher restarting, for real: a relaunch after the launcher was SIGKILLed (the steps lost,
 the dead job's leases taken over), a crash loop stopped early, a second job on the same run.dir refused,
+a job pointed at another job's rendezvous store refused,
 and a signal during the backoff before a restart. Every process is real (torch's elastic agent, gloo
 ranks); every wait is bounded."""
 
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 from common.process import is_alive
-from tests.helpers import finish, launch, wait_for, wait_for_step
+from tests.helpers import finish, free_port, launch, wait_for, wait_for_step
 from trainer.runtime.protocol import read_events, read_heartbeats
 
 
@@ -80,6 +81,30 @@ def test_a_second_job_on_the_same_run_dir_is_refused(cache_dir, tmp_path):
     third = launch(tmp_path, ["train.steps=2", "checkpoint.resume=never", f"checkpoint.dir={tmp_path}/fresh"], nproc=1)
     out = finish(third)
     assert third.returncode == 0, out[-3000:]
+
+
+def test_a_job_pointed_at_the_store_of_another_job_is_refused_and_the_other_goes_on(cache_dir, tmp_path):
+    """Two jobs (their own run.dir and --rdzv-id) given the same endpoint: the second's launcher would run on
+    the store the first one's launcher hosts, and end when that job does. It is refused at start (exit 2,
+    one line naming the other job), before it starts a rank; the first job goes on."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = launch(tmp_path / "a", ["train.steps=100000", "checkpoint.every=0"], nproc=1,
+                   extra_args=[f"--rdzv-endpoint={endpoint}", "--rdzv-id=job-a"])
+    try:
+        wait_for_step(tmp_path / "a", 2)
+        second = launch(tmp_path / "b", ["train.steps=30"], nproc=1,
+                        extra_args=[f"--rdzv-endpoint={endpoint}", "--rdzv-id=job-b"])
+        out = finish(second, timeout=60)
+        assert second.returncode == 2, out[-3000:]
+        assert (f"the rendezvous store at {endpoint} is hosted by a launcher of another job (rendezvous id 'job-a'; "
+                f"this one is 'job-b')") in out and "Traceback" not in out, out[-3000:]
+        assert not list((tmp_path / "b").glob("heartbeats-*/rank-*.json")), "a rank of the refused job started"
+        reached = wait_for_step(tmp_path / "a", 2).step
+        wait_for_step(tmp_path / "a", reached + 5)  # the first job goes on
+        assert first.poll() is None
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
 
 
 def test_signal_during_the_backoff_stops_the_launcher_at_once(cache_dir, tmp_path):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, SMOKE, child_env, read_metrics, run_trainer, trainer_cmd
-from trainer.runtime.protocol import read_events
+from tests.fixtures import free_port, kill_tree
+from tests.helpers import REPO, SMOKE, child_env, read_metrics, run_trainer, trainer_cmd, wait_for
+from trainer.runtime.protocol import read_events, read_heartbeats
 
 STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=6", "checkpoint.every=6"]
 
@@ -161,3 +162,27 @@ def test_resume_refuses_a_changed_model_and_lists_allowed_changes(cache_dir, tmp
     changed = [e for e in read_events(tmp_path) if e["event"] == "config_changed"]
     assert changed == [{**changed[0], "step": 2, "changes": {
         "checkpoint.every": [2, 20], "train.lr": [0.003, 0.002], "train.steps": [2, 4]}}]
+
+
+def test_a_rank_whose_peer_died_exits_in_one_line_under_a_launcher_that_does_not_recover(cache_dir, tmp_path):
+    """Two ranks started by hand (no agent to stop the survivor first), rank 1 SIGKILLed mid-run: rank 0's
+    collective fails, and rank 0 exits 1 saying a peer is gone, without a traceback that would bury the
+    dead rank's own story (its error still reaches torchelastic's error file through record())."""
+    beats, port = tmp_path / "beats", free_port()
+    opts = [f"run.dir={tmp_path / 'run'}", "log.progress=false", "train.steps=400", "train.eval_every=0",
+            "checkpoint.every=0", "checkpoint.memory_every=0"]
+    procs = [subprocess.Popen(trainer_cmd(1, SMOKE, opts), cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=child_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                            REKINDLE_HEARTBEAT_DIR=str(beats)))
+             for r in (0, 1)]
+    try:
+        wait_for("rank 1 at step 3", lambda: (b := read_heartbeats(beats).get(1)) and b.step >= 3, timeout=90)
+        procs[1].send_signal(signal.SIGKILL)
+        _, stderr = procs[0].communicate(timeout=60)
+    finally:
+        for proc in procs:
+            kill_tree(proc.pid)
+    assert procs[0].returncode == 1, stderr[-3000:]
+    assert "[rekindle] a peer rank is gone (" in stderr and "Traceback" not in stderr, stderr[-3000:]

@@ -135,7 +135,7 @@ def test_a_failed_write_is_said_once_and_training_goes_on(tmp_path):
     failures: list[str] = []
     memory = tier(tmp_path, failures=failures)
     for slot in (1, 2):
-        memory._paths(slot)[0].mkdir()  # the .bin cannot be opened for writing: every such write fails
+        memory._paths(slot)[0].mkdir(parents=True)  # the .bin cannot be opened for writing: every such write fails
     for step in (1, 2):
         memory.snapshot(TrainState(step=step), model, opt)
         memory.wait()

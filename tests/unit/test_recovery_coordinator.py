@@ -43,7 +43,8 @@ from trainer.runtime.protocol import HeartbeatRecord, RecoveryTimes, StartupTime
 
 T0 = 1000.0  # when the first failure is noticed
 ONE_NODE = Mode(in_process=True, single_node=True)
-SMALLER = Mode(in_process=False, single_node=False, smaller=True, min_nodes=1)
+SMALLER = Mode(in_process=True, single_node=False, smaller=True, min_nodes=1)  # --nnodes 1:N
+NODES = Mode(in_process=True, single_node=False)  # --nnodes N
 RESTARTS = Mode(in_process=False, single_node=False)
 
 
@@ -80,6 +81,11 @@ def hang(gone: bool = False, now: float = T0) -> HangFound:
 
 def settled() -> Observed:
     return Observed({r: dataclasses.replace(b, generation=1) for r, b in beats().items()})
+
+
+def recovering(now: float = T0 + 0.1) -> Observed:
+    """The ranks here (global ranks 0-2) recovering into generation 1, which this launcher did not start."""
+    return Observed(beats(r0="recover", r1="recover", r2="recover"), now=now, ranks={0: 0, 1: 1, 2: 2})
 
 
 def published(why: str = "") -> WorldPublished:
@@ -124,10 +130,26 @@ ROWS = [
      [Record, Stop, LetFail], Recorded),
     ("...and the group's failure is not recorded again", ONE_NODE, 0, [rank_died()], GroupFailed(Failure(1, "signal",
                                                                                                        5)), [], Idle),
-    ("several nodes, no in-process: the others hear it is handled", SMALLER, 3, [], rank_died(), [Announce, LetFail],
-     Idle),
-    ("several nodes: a hang restarts the group, announced", SMALLER, 3, [], hang(), [Announce, Record, Proceed,
-                                                                                     Restart], Idle),
+    ("several nodes: a rank exits: its launcher replaces it alone, telling the others it leads", NODES, 3, [],
+     rank_died(), [Record, Proceed, Announce, SegmentStarted, Replace], Pending),
+    ("several nodes: a hung rank is killed alone", NODES, 3, [], hang(), [Note, Kill], HangKilled),
+    ("several nodes: a vanished rank restarts the group, announced", SMALLER, 3, [], hang(gone=True),
+     [Announce, Record, Proceed, Restart], Idle),
+    ("several nodes, no in-process: the group restarts", RESTARTS, 3, [], rank_died(), [LetFail], Idle),
+    ("the ranks here recover into a generation another node's launcher started: followed", NODES, 3, [],
+     recovering(), [], Pending),
+    ("...the watchdog told to leave them alone", NODES, 3, [recovering()], tick(T0 + 1, r0="recover", r1="recover",
+                                                                                 r2="recover"), [CheckHangs], Pending),
+    ("...not while a rank here has exited (their recovery is for it: its exit is on the way)", NODES, 3, [],
+     dataclasses.replace(recovering(), exited=True), [], Idle),
+    ("...settled, and recorded here", NODES, 3, [recovering()], settled(), [Note], Idle),
+    ("...a failure here meanwhile falls back", NODES, 3, [recovering()], rank_died(rank=2), [Note, LetFail], Pending),
+    ("...past the recovery bound: a full restart", NODES, 3, [recovering()],
+     tick(T0 + RECOVERY_BOUND_S + 1, r0="recover", r1="recover", r2="recover"),
+     [Note, PrintStacks, Record, Proceed, Restart], Idle),
+    ("...its leader's node lost, no word from it: a smaller world", SMALLER, 3, [recovering()],
+     tick(T0 + NODE_LOST_S + 0.01, r0="recover", r1="recover", r2="recover"), [PublishSmallerWorld], Pending),
+    ("...the same generation seen again: followed once", NODES, 3, [recovering(), settled()], recovering(), [], Idle),
     ("every rank here waits for ranks of a silent node: publish a smaller world", SMALLER, 3, [],
      tick(T0 + NODE_LOST_S + 0.01, r0="recover", r1="recover", r2="recover"), [PublishSmallerWorld], Idle),
     ("...not yet when their launcher said it handles them", SMALLER, 3, [],
@@ -192,6 +214,16 @@ def test_a_second_failure_names_the_generation_it_interrupted():
     note = coordinator.handle(rank_died(rank=2))[0]
     assert note.event == "in_process_fallback" and "second failure (rank 2)" in note.fields["why"]
     assert "generation 1" in note.fields["why"]
+
+
+def test_a_followed_recovery_is_recorded_as_led_elsewhere_with_the_ranks_it_kept():
+    coordinator = RecoveryCoordinator(NODES, RestartPolicy(3))
+    coordinator.handle(recovering())
+    assert coordinator.unjudged_pids() == {100, 101, 102} and coordinator.pending.noticed == T0
+    (note,) = coordinator.handle(settled())
+    assert note.event == "in_process_done" and note.fields == dict(generation=1, replaced=[], kept_pids=[100, 101, 102],
+                                                                   led=False, kept_ranks=[0, 1, 2])
+    assert coordinator.policy.restarts == 0  # another node's failure: counted by its launcher
 
 
 def test_a_smaller_world_counts_from_when_the_silent_node_was_last_heard():

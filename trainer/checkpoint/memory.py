@@ -38,8 +38,10 @@ sends it (memory-peer: a lost node, or ranks that moved between nodes). Parts of
 mixed: every rank loads the same step. A world of another size (a lost node under `--nnodes MIN:MAX`,
 another `--nproc-per-node`) loads the newest step of which every rank's node holds every part, each rank
 reading its rows of each tensor (memory-reshard; trainer.checkpoint.memory_reshard). Another run (a new
-run id, kept in run.dir) or another config never loads them; the run's directory is removed when the run
-ends.
+run id, kept in run.dir) or another config never loads them. The run's directory (with `owner.json`, its
+run.dir) is made at the first part written and removed when the run ends; a launcher's start removes
+those of other runs whose run.dir is gone or that are older than checkpoint.memory_max_age_h
+(trainer.runtime.memory_sweep).
 
 This module is the tier (MemoryTier) and the run's identity; the files on a node are memory_slots,
 what a part holds of the state and its restore memory_state, what crosses ranks memory_peers, the restore
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 import time
 import uuid
@@ -63,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from common import storage
-from trainer.checkpoint import memory_peers, memory_reshard, memory_slots
+from trainer.checkpoint import memory_auto, memory_peers, memory_reshard, memory_slots
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.commit import TrainState
 from trainer.checkpoint.memory_slots import SLOTS, VERSION, Found
@@ -71,25 +72,13 @@ from trainer.checkpoint.memory_state import Layout, PartLayout, hyper_parameters
 from trainer.config import CheckpointConfig
 from trainer.distributed.parallel import DistInfo
 from trainer.observability import logs
+from trainer.runtime.memory_sweep import MEMORY_DIR_ENV, OWNER, RUN_ID_FILE, default_dir, owner_record
 
 log = logs.get_logger("memory")
 
-RUN_ID_FILE = "memory-tier.json"  # in run.dir: {"run_id": ..., "auto_every": ...}, made by the run's first start
-OWNER = "owner.json"  # in the run's memory directory: {"run_dir": ...}
-MEMORY_DIR_ENV = "REKINDLE_MEMORY_DIR"  # the default checkpoint.memory_dir, where set
-
+# The names of where snapshots live (the base, `owner.json`, run.dir's record) are trainer.runtime.memory_sweep's.
 __all__ = ["MEMORY_DIR_ENV", "OWNER", "RUN_ID_FILE", "SLOTS", "MemoryTier", "TierSetup", "config_identity",
            "default_dir", "run_record"]
-
-
-def default_dir() -> str:
-    """$REKINDLE_MEMORY_DIR; else /dev/shm/rekindle-memory when there is a /dev/shm (memory, survives the
-    process); else $TMPDIR."""
-    if os.environ.get(MEMORY_DIR_ENV):
-        return os.environ[MEMORY_DIR_ENV]
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
-    return str(base / "rekindle-memory")
 
 
 def run_record(run_dir: str, is_main: bool, world: int) -> dict:
@@ -115,10 +104,11 @@ def run_record(run_dir: str, is_main: bool, world: int) -> dict:
 
 def config_identity(config: dict) -> str:
     """The config hash snapshots are tagged with: the run's config less the settings that do not touch
-    the state (where each node keeps its memory; how the launcher restarts ranks)."""
+    the state (where each node keeps its memory and how long; how the launcher restarts ranks)."""
     import hashlib
 
-    rest = {**config, "checkpoint": {k: v for k, v in config.get("checkpoint", {}).items() if k != "memory_dir"},
+    kept = ("memory_dir", "memory_max_age_h")
+    rest = {**config, "checkpoint": {k: v for k, v in config.get("checkpoint", {}).items() if k not in kept},
             "fault": {k: v for k, v in config.get("fault", {}).items() if k not in ("warm_restarts", "in_process")}}
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
@@ -197,12 +187,9 @@ class MemoryTier:
         # The peer copies travel on a group of their own (the training thread's collectives are on the
         # default one). Made by every rank, in the same order, when the tier is built.
         self._group = dist.new_group(backend="gloo") if replicas else None
-        self.dir.mkdir(parents=True, exist_ok=True)
-        owner = {"run_dir": str(Path(setup.run_dir).resolve())}
-        if not (self.dir / OWNER).exists():
-            storage.atomic_write(self.dir / OWNER, json.dumps(owner).encode())
+        self._made = False  # the directory and its owner record are made at the first write into it
         if info.rank % local_world == 0:  # one rank per node sweeps (and rank 0 says so)
-            self._sweep(owner)
+            self._sweep(owner_record(setup.run_dir))
         self._writer = BackgroundWriter("memory")
         self._parts = PartLayout()
         self.writes = WriteStats()
@@ -213,10 +200,25 @@ class MemoryTier:
         if self._group is not None:
             self._group = mapping[self._group]
 
+    def _make_dir(self) -> None:
+        """The run's directory on this node and its owner record (trainer.runtime.memory_sweep), at the first
+        part written or received: a run refused at start (bad config or input, exit 2) leaves nothing here."""
+        if self._made:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not (self.dir / OWNER).exists():
+            storage.atomic_write(self.dir / OWNER, json.dumps(owner_record(self.setup.run_dir)).encode())
+        self._made = True
+
     def _sweep(self, owner: dict) -> None:
         """Remove the snapshots that earlier runs of this run.dir left on this node (a run.dir made afresh
-        gets a new run id; one job per run.dir holds its lease, so they are no one's)."""
-        for other in self.dir.parent.iterdir():
+        gets a new run id; one job per run.dir holds its lease, so they are no one's). A launcher sweeps
+        those of other runs at its start (trainer.runtime.memory_sweep)."""
+        try:
+            others = list(self.dir.parent.iterdir())
+        except OSError:
+            return  # no snapshots on this node yet
+        for other in others:
             try:
                 stale = other != self.dir and json.loads((other / OWNER).read_text()) == owner
             except (OSError, ValueError):
@@ -264,6 +266,7 @@ class MemoryTier:
         error: Exception | None = None
         start = time.perf_counter()
         try:
+            self._make_dir()
             self._write_part(header, layout)
         except Exception as e:  # noqa: BLE001 - raised after the exchange
             error = e
@@ -324,6 +327,7 @@ class MemoryTier:
     def fetch(self, step: int, givers: dict[int, int], found: Found) -> tuple[Path, dict]:
         """Collective: every part whose rank does not hold it is sent by its holder and kept as that rank's
         own slot. Returns this rank's part of `step` (bin, header)."""
+        self._make_dir()
         return memory_peers.fetch(self.ranks.rank, step, givers, found, self._paths(self._slot(step)))
 
     def plan_reshard(self) -> tuple[int, int] | None:
@@ -385,7 +389,7 @@ class MemoryTier:
 
     def describe(self, how_often: str = "") -> str:
         """Where and how much, for the start-up line; `how_often` replaces "every N step(s)"."""
-        free = shutil.disk_usage(self.dir).free
+        free = memory_auto.free_bytes(self.dir)
         copies = f" + {SLOTS} peer copies (on the next node)" if self.ranks.replicas else ""
         return (f"{how_often or f'every {self.every} step(s)'} to {self.dir}: {SLOTS} slots per rank{copies}, "
                 f"each the size of the rank's shard of the model and optimizer; {free / 1e9:,.1f} GB free there")

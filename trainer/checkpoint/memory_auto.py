@@ -54,6 +54,15 @@ def filesystem_type(path: str | Path) -> str:
     return kind
 
 
+def free_bytes(directory: str | Path) -> int:
+    """The free space of the file system `directory` is on, or would be made on (it is made at the first
+    snapshot): that of its nearest existing ancestor."""
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 def snapshot_bytes(model: torch.nn.Module) -> int:
     """What one rank's snapshot will hold, before the optimizer has state: its parameters' local shards
     and AdamW's two moments of each (the step counters are a few bytes)."""
@@ -73,8 +82,7 @@ def choose(setting: int | str, directory: str, shard_bytes: int, copies: int, lo
         return 0, (f"checkpoint.memory_dir {directory} is on a disk ({kind}), not in memory: a snapshot of every "
                    f"rank each step would cost disk writes; set checkpoint.memory_every=N to use it anyway")
     need = copies * local_world * shard_bytes
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(directory).free
+    free = free_bytes(directory)
     if need > ROOM_SHARE * free:
         return 0, (f"not enough room in {directory}: the snapshots of this node's {local_world} rank(s) take "
                    f"{need / 1e9:,.2f} GB, more than {ROOM_SHARE:.0%} of the {free / 1e9:,.2f} GB free there")

@@ -91,6 +91,9 @@ class CheckpointConfig:
         "smallest interval that keeps that cost, or off when memory_dir is not in memory or lacks room")
     memory_dir: str = setting("", "where memory snapshots go (a local directory); empty = $REKINDLE_MEMORY_DIR, "
                               "else /dev/shm/rekindle-memory")
+    memory_max_age_h: float = setting(72.0, "a launcher's start removes this node's memory snapshots of other runs "
+                                      "not written for this many hours (and those whose run.dir is gone); 0 = "
+                                      "never by age", ge=0)
     memory_replicas: int = setting(1, "with several nodes, copies of each rank's memory snapshot on another node "
                                    "(so losing a node loses nothing in memory); 0 = none", ge=0, lt=2)
     resume: str = setting("auto", "auto: from the newest commit if any | never | required: fail without one",
