@@ -25,7 +25,7 @@ RECOVERY_BOUND_S = 20.0  # a recovery not finished by then is stuck where no bou
 
 # ---------------------------------------------------------------------- nodes (launch/)
 INTERVAL_S = 0.5  # how often each launcher counts up its liveness key (and reads the others')
-LOST_S = 5.0  # liveness silence after which a launcher, or the store, is lost
+LOST_S = 5.0  # liveness silence after which a launcher, or the store, is lost (fault.node_silence_s's default)
 CONFIRM_S = 1.0  # the store's silence must be seen for this long (not merely found on waking from a pause)
 PROBE_S = 0.3  # how long a starting launcher waits for each later rendezvous endpoint to answer
 MOVE_WAIT_S = 10.0  # how long a launcher moving down the endpoint list waits for the next store to listen

@@ -1,6 +1,7 @@
 """Whether the launchers of a multi-node job still hear each other, through the rendezvous store: each
 launcher counts up a key of its own there every `INTERVAL_S`, and reads the counters of the other
-launchers of its worker group. Two verdicts, each after `LOST_S` of silence:
+launchers of its worker group. Two verdicts, each after `lost_s` of silence (fault.node_silence_s; `LOST_S`
+by default):
 
 - `cut_off()`: this launcher's own store connection has not answered (a partition around this node, or
   the node hosting the store is lost). Its ranks sit in collectives that never end; the launcher stops

@@ -3,8 +3,9 @@ the rendezvous endpoint in use (`--rdzv-endpoint` may list several, moved down w
 store is lost), whether this node waits as a spare, and whether the nodes of its group still hear each
 other (`launch.liveness`), which turns a partition into a bounded verdict:
 
-- this node cannot reach the store for `LOST_S`: its ranks are stopped, and it moves down the list (a new
-  store must answer within `MOVE_WAIT_S`) or, the list spent, exits 75 (`cut_off`);
+- this node cannot reach the store for `fault.node_silence_s` (`LOST_S` by default): its ranks are stopped,
+  and it moves down the list (a new store must answer within `MOVE_WAIT_S`) or, the list spent, exits 75
+  (`cut_off`);
 - the store answers but nodes of the group went silent (lost without a word, as a node that loses its
   power or its link: no connection is closed): `silence` describes them, and the recovery coordinator
   (launch.recovery) decides whether this side goes on without them or stops."""
@@ -18,7 +19,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from common.clock import wait_until
-from common.timing import MOVE_WAIT_S
+from common.timing import LOST_S, MOVE_WAIT_S
 from launch import rendezvous
 from launch.ledger import Ledger
 from launch.liveness import Liveness
@@ -33,8 +34,9 @@ class Membership:
     each endpoint it meets at, `watch` once the store is known, `joined` for each group started, and asks
     `cut_off`, `silence` and `note_spare`."""
 
-    def __init__(self, endpoints: list[str], ledger: Ledger, multi_node: bool) -> None:
+    def __init__(self, endpoints: list[str], ledger: Ledger, multi_node: bool, silence_s: float = LOST_S) -> None:
         self.endpoints, self.ledger, self.multi_node = endpoints or [""], ledger, multi_node
+        self.silence_s = silence_s  # a node, or the store, not heard for this long is lost (fault.node_silence_s)
         self.endpoint = "127.0.0.1"  # the rendezvous endpoint in use
         self.at = 0  # its index in the list
         self.liveness: Liveness | None = None
@@ -65,7 +67,7 @@ class Membership:
     def watch(self, store_at: str) -> None:
         """Start hearing the other nodes through the store at `store_at` (several nodes only)."""
         if self.multi_node:
-            self.liveness = Liveness(store_at, self.ledger.node).start()
+            self.liveness = Liveness(store_at, self.ledger.node, lost_s=self.silence_s).start()
 
     def stop(self) -> None:
         if self.liveness is not None:
@@ -91,7 +93,7 @@ class Membership:
             self.ledger.event("spare_waiting", endpoint=self.endpoint)
 
     def cut_off(self) -> RendezvousConnectionError | None:
-        """The store has not answered for LOST_S: the error that ends this meeting as a lost store (the
+        """The store has not answered for `silence_s`: the error that ends this meeting as a lost store (the
         caller stops the ranks here); None while it answers."""
         quiet = self.liveness.cut_off() if self.liveness is not None else 0.0
         if not quiet:

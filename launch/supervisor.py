@@ -34,6 +34,7 @@ from launch.nodes import Membership
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
 from launch.preemption import Preemption
+from launch.recovery import store
 from launch.recovery.coordinator import RecoveryCoordinator
 from launch.recovery.events import GroupFailed, GroupLeft, GroupStarted, Observed, Preempted, RanksExited, Tick
 from launch.recovery.states import Mode
@@ -88,7 +89,8 @@ class Supervisor:
         heartbeat_dir = Path(tempfile.mkdtemp(prefix=heartbeat_prefix(), dir=cfg.run.dir))
         stall = cfg.storage.stall_s
         self.watchdog = Watchdog(heartbeat_dir, f.hang_timeout_s, stall + 10.0 if stall else 0.0)
-        self.members = Membership(rendezvous.endpoints(opts.rdzv_endpoint), self.ledger, opts.max_nodes > 1)
+        self.members = Membership(rendezvous.endpoints(opts.rdzv_endpoint), self.ledger, opts.max_nodes > 1,
+                                  silence_s=f.node_silence_s)
         self.agent: SupervisedAgent | None = None  # created for each endpoint met
         self.attempt = 0  # the running group's restart count (its ranks' TORCHELASTIC_RESTART_COUNT)
         self.preemption = Preemption(grace_s=f.preempt_grace_s)
@@ -145,7 +147,10 @@ class Supervisor:
         ranks = self.agent.global_ranks()
         running = {lr: beats[ranks[lr]].pid if ranks.get(lr) in beats else pid
                    for lr, pid in self.agent.worker_pids().items()}
-        exited = RanksExited(exits=exits, failure=failure, beats=beats, running=running, now=time.time(), traceback=tb)
+        behind = (not self.coordinator.mode.single_node and self.coordinator.pending is None
+                  and store.left_behind(self.agent, self.coordinator.next_generation(beats)))
+        exited = RanksExited(exits=exits, failure=failure, beats=beats, running=running, now=time.time(), traceback=tb,
+                             left_behind=behind)
         return carry_out(self, self.coordinator.handle(exited)).env
 
     def review(self, status: GroupStatus) -> bool:

@@ -20,8 +20,9 @@ imports from trainer/ (a unit test holds it to that). What crosses:
     trainer_main                              the trainer.__main__ module: what the fork server runs in a forked rank
     coordination_store, arrived_ranks,        trainer.recovery.regroup: the in-process recovery's store, where the
     publish_smaller_world, announce_failure,  launcher sends the survivors of a lost node on in a smaller world,
-    failure_handled                           tells the ranks that one of them died, and hears that another
-                                              launcher handles its own ranks' failure (its node lives)
+    failure_handled, smaller_world_published  tells the ranks that one of them died, and hears that another
+                                              launcher handles its own ranks' failure (its node lives), or that
+                                              the others went on without this node
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ _LAZY = {
     "announce_failure": ("trainer.recovery.regroup", "announce_failure"),
     "failure_handled": ("trainer.recovery.regroup", "failure_handled"),
     "publish_smaller_world": ("trainer.recovery.regroup", "publish_smaller_world"),
+    "smaller_world_published": ("trainer.recovery.regroup", "smaller_world_published"),
 }
 
 

@@ -134,7 +134,10 @@ class RecoveryCoordinator:
                                     f"generation {p.generation}", failure.rank), LetFail()]
         if failure.exit_code in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_STORAGE) or failure.cause in ("preemption",
                                                                                                 "storage"):
-            return [LetFail()]
+            return [*self._restarting(e.beats), LetFail()]
+        if e.left_behind:  # it rejoins through the rendezvous, as a node joining
+            return [*self._fallback("the other nodes went on without this one while it was silent", failure.rank),
+                    LetFail()]
         failed_local = {x.local_rank for x in e.exits.values()}
         kept = {lr: pid for lr, pid in e.running.items() if lr not in failed_local}
         if self.mode.single_node and not kept:

@@ -25,7 +25,8 @@ class GroupStarted:
 class RanksExited:
     """Ranks of the running group exited while the others still run (before torchelastic stops the group).
     `failure`/`traceback`: the root cause among `exits` (launch.failures.from_exits); `running`: this node's
-    ranks by local rank -> trainer pid."""
+    ranks by local rank -> trainer pid; `left_behind`: the other nodes went on without this one (a smaller
+    world of the generation it would recover into is published)."""
 
     exits: dict[int, RankExit]
     failure: Failure
@@ -33,6 +34,7 @@ class RanksExited:
     running: dict[int, int]
     now: float
     traceback: str = ""
+    left_behind: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from trainer.contract import (
     coordination_store,
     failure_handled,
     publish_smaller_world,
+    smaller_world_published,
 )
 
 
@@ -71,6 +72,19 @@ class HandledQuery:
         except Exception:  # noqa: BLE001 - it stopped answering: not asked again in this group
             self._store = (where, None)
             return True
+
+
+def left_behind(agent, generation: int) -> bool:
+    """Whether the other nodes went on without this one in a smaller world of `generation` (this node was
+    silent: frozen, or cut off, and woke), so that its ranks cannot recover in process into it. False when the
+    store cannot be asked."""
+    where = os.environ.get(COORD_STORE_ENV, "")
+    if not listens(where):
+        return False
+    try:
+        return smaller_world_published(coordination_store(where, agent.run_id(), agent.round(), 2.0), generation)
+    except Exception:  # noqa: BLE001 - it stopped answering: the other bounds decide
+        return False
 
 
 def smaller_world(agent, generation: int, min_nodes: int) -> tuple[list[int], str]:

@@ -30,8 +30,9 @@ def test_bad_input_is_one_line_exit_2_and_never_restarted(cache_dir, tmp_path):
     empty.mkdir()
     export = subprocess.Popen([sys.executable, "-m", "trainer.export", str(empty), str(tmp_path / "out.safetensors")],
                               cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # All at once (separate run directories): each must stop by itself.
-    procs = {n: launch(tmp_path / f"run{n}", [override, "train.steps=4"], nproc=1) for n, override in enumerate(cases)}
+    # All at once (separate run directories): each must stop by itself. (No fork server: nothing restarts.)
+    procs = {n: launch(tmp_path / f"run{n}", [override, "train.steps=4", "fault.warm_restarts=false"], nproc=1)
+             for n, override in enumerate(cases)}
     try:
         outs = {n: finish(proc, timeout=120) for n, proc in procs.items()}
         _, stderr = export.communicate(timeout=120)

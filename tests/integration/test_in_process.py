@@ -127,11 +127,13 @@ def test_a_sigkilled_rank_then_a_sigstopped_one_are_replaced_alone_and_the_other
 def test_a_second_failure_during_the_recovery_falls_back_to_a_full_restart(reference, tmp_path):
     """Rank 2 is SIGKILLed as soon as the launcher has noticed rank 1's death, while the survivors wait
     for rank 1's replacement: the launcher gives up the in-process path, says why in the ledger, and
-    restarts the whole group, still losing nothing."""
+    restarts the whole group, still losing nothing. (Rank 2 is SIGSTOPped first, so that the recovery
+    waits for it: the second failure lands within it, however loaded the machine, before UNAWARE_S.)"""
     run_dir = tmp_path / "run"
     proc = start(run_dir, tmp_path)
     victim = wait_for_step(run_dir, 10, rank=1)
     second = pids(run_dir)[2]
+    os.kill(second, signal.SIGSTOP)
     os.kill(victim.pid, signal.SIGKILL)
     wait_for_event(run_dir, "failure")
     os.kill(second, signal.SIGKILL)

@@ -36,6 +36,7 @@ def test_overrides_are_typed_and_applied():
         ("train.global_batch=10", "'train.global_batch' (10) must be a multiple of train.micro_batch (4)"),
         ("model.n_heads=3", "'model.dim' (64) must be divisible by model.n_heads (3)"),
         ("train.lr=-1", "'train.lr' must be positive"),
+        ("fault.node_silence_s=0.5", "'fault.node_silence_s' (0.5) must be at least 2 s"),
         ("model", "not of the form key=value"),
     ],
 )
@@ -135,12 +136,13 @@ def test_model_group_is_the_models_own_arguments():
 
 # A checkpoint records its config's hash: moving code must not change them. A new key does (it is in
 # every config's dict): fault.in_process, 2026-12-05 (fault settings may change on resume);
-# checkpoint.memory_max_age_h, 2026-12-06 (may change on resume; memory snapshots' hash leaves it out).
+# checkpoint.memory_max_age_h and fault.node_silence_s, 2026-12-06 (may change on resume; memory snapshots'
+# hash leaves them out).
 SHIPPED_CONFIG_HASHES = {
-    "smoke": "175d1a48972599b43e9df2849862a5f74d5b675575ac99a1c1f36a91514eb92f",
-    "default": "ebb427184fe89fe15ee5649daf4d064177649af2720d76c6b124a3ff171dabce",
-    "gpt2-124m": "239015a054dacecf7464ed98914db2feb414a8df2d863598e215c8b5eb095e34",
-    "llama-1b": "c8af209cac97218fb505a8d32a51be2f88564e362a47db2b6913e5cee921fb6e",
+    "smoke": "92a95a6d8753cf7d79d9db42e6a6912e2a42a73b07207e16197f7997e6fbab0f",
+    "default": "8caa0a99423013f03251280feef31a24b932dc56d639ccd4a9a084cd86219bef",
+    "gpt2-124m": "48a1b0acf8abb02d49909b00d27f1175f5cf9f8c0bd7badbffd26eda6feb534b",
+    "llama-1b": "2400f4a7e9b94bb3e29ffa5ecb44b587bb863a76a57178f30e91f0386a233e62",
 }
 
 

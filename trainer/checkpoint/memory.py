@@ -109,7 +109,8 @@ def config_identity(config: dict) -> str:
 
     kept = ("memory_dir", "memory_max_age_h")
     rest = {**config, "checkpoint": {k: v for k, v in config.get("checkpoint", {}).items() if k not in kept},
-            "fault": {k: v for k, v in config.get("fault", {}).items() if k not in ("warm_restarts", "in_process")}}
+            "fault": {k: v for k, v in config.get("fault", {}).items() if k not in ("warm_restarts", "in_process",
+                                                                                     "node_silence_s")}}
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 

@@ -17,6 +17,7 @@ from typing import Any, Union
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from common.timing import CONFIRM_S, INTERVAL_S
 from trainer.config import schema
 from trainer.config.schema import ConfigError, setting
 from trainer.model.args import ModelArgs
@@ -144,6 +145,9 @@ class FaultConfig:
     in_process: bool = setting(True, "python -m launch: when a rank fails, the other ranks keep their processes "
                                "and restore in place, and only the failed rank is started again "
                                "(trainer.recovery.inplace); false = every rank restarts")
+    node_silence_s: float = setting(5.0, "several nodes: a node whose launcher has not been heard for this long is "
+                                    "lost (power or link gone: no connection closed), and a node that has not heard "
+                                    "the rendezvous store for this long is cut off", gt=0)
     straggler_factor: float = setting(1.5, "a rank whose own work per step (data wait + compute, not waiting in "
                                       "collectives) is this many times the other ranks' median is slow; 0 = off",
                                       ge=0)
@@ -152,6 +156,10 @@ class FaultConfig:
                                  "later one = recovered", gt=0)
 
     def check(self, prefix: str = "") -> None:
+        if self.node_silence_s < max(4 * INTERVAL_S, 2 * CONFIRM_S):
+            raise ConfigError(f"config key '{prefix}node_silence_s' ({self.node_silence_s}) must be at least "
+                              f"{max(4 * INTERVAL_S, 2 * CONFIRM_S):g} s: several of the launchers' liveness counts "
+                              f"(every {INTERVAL_S:g} s) must be missed before a node counts as lost")
         if 0 < self.straggler_factor <= 1:
             raise ConfigError(f"config key '{prefix}straggler_factor' ({self.straggler_factor}) must be above 1 "
                               "(how many times slower than the other ranks), or 0 for no straggler detection")

@@ -67,6 +67,12 @@ def publish_smaller_world(store: dist.Store, generation: int, survivors: list[in
     return ranks
 
 
+def smaller_world_published(store: dist.Store, generation: int) -> bool:
+    """Whether a smaller world of `generation` was published (the launcher's side: the nodes that answered went
+    on without the others)."""
+    return store.check([keys.world_key(generation)])
+
+
 def announce_failure(store: dist.Store, generation: int, by: str = "launcher", handled: bool = False) -> None:
     """A rank died and `generation` starts (said `by` the launcher, or by a rank that noticed): a rank that has
     not noticed leaves (its watch thread, `Regroup._watch`). `handled`: said by the failed ranks' launcher,
