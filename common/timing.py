@@ -30,6 +30,7 @@ CONFIRM_S = 1.0  # the store's silence must be seen for this long (not merely fo
 PROBE_S = 0.3  # how long a starting launcher waits for each later rendezvous endpoint to answer
 MOVE_WAIT_S = 10.0  # how long a launcher moving down the endpoint list waits for the next store to listen
 TOLD_S = 5.0  # ranks told to go on in a smaller world and not done by then: the group restarts
+MEMORY_IDLE_S = 600.0  # a node's memory snapshots written this lately are never swept (a running job's)
 OWNER_WAIT_S = 2.0  # a launcher connecting to a rendezvous store waits this long for its host to name its job
 
 # ---------------------------------------------------------------------- the agent and the supervisor (launch/)
@@ -38,6 +39,7 @@ SURVIVOR_GRACE_S = 5.0  # the most a failed group's survivors get to exit before
 AGAIN_AFTER_S = 1.0  # a second signal to the launcher this long after the first stops at once
 IDLE_PATIENCE_S = 2.0  # signalled, and no rank running: how long the launcher waits for a group that may start
 OUTCOME_RESERVE_S = 1.0  # the end of the grace period a preempted launcher keeps for its own outcome
+STORE_ASK_S = 2.0  # how long a launcher's question to the ranks' coordination store may take
 STORE_PROBE_S = 0.2  # how long a launcher's probe waits for the ranks' coordination store to accept a connection
 HANG_EXIT_WAIT_S = 10.0  # a hung rank SIGKILLed alone: how long its exit may take to reach the agent
 MEMORY_SWEEP_S = 10.0  # the launcher's start waits this long for its sweep of old memory snapshots (a slow file system)

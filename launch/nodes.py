@@ -24,7 +24,7 @@ from launch import rendezvous
 from launch.ledger import Ledger
 from launch.liveness import Liveness
 from launch.recovery.events import Silence
-from launch.recovery.store import HandledQuery
+from launch.recovery.store import StoreQuestions
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class Membership:
         self.at = 0  # its index in the list
         self.liveness: Liveness | None = None
         self._spare_since: float | None = None  # when this node was first seen waiting as a spare
-        self._handled = HandledQuery()
+        self._store = StoreQuestions()
 
     @property
     def last_endpoint(self) -> bool:
@@ -105,7 +105,11 @@ class Membership:
 
     def handled(self, agent, generation: int) -> bool:
         """Whether another node's launcher said it handles the failure before `generation` (its node lives)."""
-        return self._handled(agent, generation, self.liveness)
+        return self._store.handled(agent, generation, self.liveness)
+
+    def left_behind(self, agent, generation: int) -> bool:
+        """Whether the other nodes went on without this one in a smaller world of `generation`."""
+        return self._store.left_behind(agent, generation, self.liveness)
 
     def silence(self, agent) -> Silence | None:
         """The nodes of the running group that stopped answering while the store answers; None when none."""

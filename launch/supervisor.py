@@ -34,7 +34,6 @@ from launch.nodes import Membership
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
 from launch.preemption import Preemption
-from launch.recovery import store
 from launch.recovery.coordinator import RecoveryCoordinator
 from launch.recovery.events import GroupFailed, GroupLeft, GroupStarted, Observed, Preempted, RanksExited, Tick
 from launch.recovery.states import Mode
@@ -147,8 +146,9 @@ class Supervisor:
         ranks = self.agent.global_ranks()
         running = {lr: beats[ranks[lr]].pid if ranks.get(lr) in beats else pid
                    for lr, pid in self.agent.worker_pids().items()}
-        behind = (not self.coordinator.mode.single_node and self.coordinator.pending is None
-                  and store.left_behind(self.agent, self.coordinator.next_generation(beats)))
+        mode = self.coordinator.mode
+        behind = (mode.in_process and not mode.single_node and self.coordinator.pending is None
+                  and self.members.left_behind(self.agent, self.coordinator.next_generation(beats)))
         exited = RanksExited(exits=exits, failure=failure, beats=beats, running=running, now=time.time(), traceback=tb,
                              left_behind=behind)
         return carry_out(self, self.coordinator.handle(exited)).env
@@ -165,7 +165,8 @@ class Supervisor:
         if (beat := self.coordinator.representative(beats)) is not None:
             self.observe(beat)
         exited = any(not is_alive(b.pid) for b in beats.values())  # after the read: see Observed
-        actions = self.coordinator.handle(Observed(beats, now=now, ranks=self.agent.global_ranks(), exited=exited))
+        actions = self.coordinator.handle(Observed(beats, now=now, ranks=self.agent.global_ranks(), exited=exited,
+                                                   handled=lambda g: self.members.handled(self.agent, g)))
         if self.preemption.at is not None:
             actions += self.coordinator.handle(Preempted())
         elif status.state == "failed":

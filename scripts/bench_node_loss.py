@@ -66,7 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", default="configs/smoke.yaml")
     p.add_argument("--losses", type=int, default=3, help="lost nodes per mode (a fresh job each)")
     p.add_argument("--modes", default="inproc,restart,spare,host,silent",
-                   help="which modes: inproc, restart, spare, host, silent")
+                   help="which modes: inproc, restart, spare, host, silent (a lost node); rank, rank-restart, "
+                        "rank-1node (a lost rank, for each --nodes)")
     p.add_argument("--nodes", default="2", help="node counts for the rank modes, e.g. 2,3,4")
     p.add_argument("--timeout", type=float, default=180, help="the most any one wait may take (s)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")

@@ -163,34 +163,37 @@ class RecoveryCoordinator:
     def _observed(self, e: Observed) -> list[Action]:
         """Follow a recovery that another node's launcher leads (`_follow`); settle the pending recovery once
         every rank of this node has finished a step in its generation."""
-        if not e.exited:  # (a rank here that died makes the ranks here recover too: its exit is on its way)
-            pids = {r: b.pid for r, b in e.beats.items()}
-            self._follow(e.beats, e.now, {lr: pids[rank] for lr, rank in e.ranks.items() if rank in pids})
+        segment = self._follow(e)
         p = self.pending
         ready = [b for b in e.beats.values() if p is not None and b.generation >= p.generation
                  and b.startup.t_first]
         if p is None or not e.beats or len(ready) < len(e.beats):
-            return []
+            return segment
         self.state = Idle()
         kept = sorted(p.kept.values())
-        return [Note(event="in_process_done", fields=dict(
+        return [*segment, Note(event="in_process_done", fields=dict(
             generation=p.generation, replaced=p.replaced, kept_pids=kept, led=not p.followed,
             kept_ranks=sorted(r for r, b in e.beats.items() if b.pid in kept)))]
 
-    def _follow(self, beats: Beats, now: float, kept: dict[int, int]) -> None:
-        """Several nodes: the ranks here recover into a generation this launcher did not start (a rank of
-        another node failed, and its launcher replaces it). Follow that recovery as this node's own, with
-        the ranks here (`kept`: local rank -> pid): the watchdog leaves them alone while they wait,
-        RECOVERY_BOUND_S bounds it, a failure here meanwhile falls back to a full restart, and its end is
-        recorded."""
-        if not self.mode.in_process or self.mode.single_node or not isinstance(self.state, Idle):
-            return
-        newer = [b for b in beats.values() if max(b.generation, b.recovery.recovering) > self.generation]
-        if not newer:
-            return
-        self.generation = max(max(b.generation, b.recovery.recovering) for b in newer)
-        noticed = min((b.recovery.t_error for b in newer if b.recovery.t_error), default=now)
-        self.state = Pending(generation=self.generation, noticed=noticed, replaced=[], kept=kept, followed=True)
+    def _follow(self, e: Observed) -> list[Action]:
+        """Several nodes: the ranks here recover into a generation this launcher did not start, and another
+        node's launcher said it handles the failure before it (its rank failed, and it replaces it). Follow
+        that recovery as this node's own: the watchdog leaves the ranks here alone while they wait,
+        RECOVERY_BOUND_S bounds it (and the silence of the leader's node), a failure here meanwhile falls
+        back to a full restart, and its segment and end are in the ledger. Not while a rank here has exited
+        (the ranks here recover from it: its exit is on its way, and this launcher leads)."""
+        if not self.mode.in_process or self.mode.single_node or not isinstance(self.state, Idle) or e.exited:
+            return []
+        newer = [b for b in e.beats.values() if max(b.generation, b.recovery.recovering) > self.generation]
+        generation = max((max(b.generation, b.recovery.recovering) for b in newer), default=0)
+        if not newer or not e.handled(generation):
+            return []
+        self.generation = generation
+        noticed = min((b.recovery.t_error for b in newer if b.recovery.t_error), default=e.now)
+        pids = {r: b.pid for r, b in e.beats.items()}
+        kept = {lr: pids[rank] for lr, rank in e.ranks.items() if rank in pids}
+        self.state = Pending(generation=generation, noticed=noticed, replaced=[], kept=kept, followed=True)
+        return [SegmentStarted(noticed=noticed, generation=generation)]
 
     def _tick(self, e: Tick) -> list[Action]:
         if e.silence is None:
@@ -348,8 +351,7 @@ class RecoveryCoordinator:
     def _lost_node(self, e: Tick) -> PublishSmallerWorld | None:
         """Every rank of this node has been recovering for NODE_LOST_S (NODE_HANDLED_S when the lost ranks'
         launcher said it handles their failure), with no failure of this node's under way: their node is lost."""
-        p = self.pending
-        if not self.mode.smaller or (p is not None and not p.followed) or not e.local_ranks:
+        if not self.mode.smaller or self.pending is not None or not e.local_ranks:
             return None
         waiting = [e.beats.get(rank) for rank in e.local_ranks]
         if not all(b is not None and b.phase == "recover" and b.recovery.recovering for b in waiting):

@@ -48,13 +48,15 @@ class GroupFailed:
 @dataclass(frozen=True)
 class Observed:
     """This node's heartbeat records, read at a monitor interval (whatever the group's state), when, the
-    running group's ranks here (local rank -> global rank), and whether the process of one of those records
-    had exited when looked at after reading them (its exit is yet to be reported)."""
+    running group's ranks here (local rank -> global rank), whether the process of one of those records
+    had exited when looked at after reading them (its exit is yet to be reported), and `handled(generation)`:
+    whether another node's launcher said it handles the failure before `generation` (asked only when needed)."""
 
     beats: Beats
     now: float = 0.0
     ranks: dict[int, int] = field(default_factory=dict)
     exited: bool = False
+    handled: Callable[[int], bool] = field(default=lambda generation: False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from common.net import listening
-from common.timing import STORE_PROBE_S
+from common.timing import STORE_ASK_S, STORE_PROBE_S
 from trainer.contract import (
     COORD_STORE_ENV,
     announce_failure,
@@ -50,41 +50,42 @@ def announce(agent, generation: int, handled: bool = True) -> None:
     threading.Thread(target=tell, name="tell-the-ranks", daemon=True).start()
 
 
-class HandledQuery:
-    """Whether a launcher said it handles the failure before a generation of the agent's worker group,
-    asked through one connection kept per group, made only while `liveness` (launch.liveness) hears the
-    store answer. True when it cannot be asked (the coordinator's NODE_HANDLED_S then decides)."""
+class StoreQuestions:
+    """What the other nodes' launchers said on the ranks' store about the agent's worker group: whether one
+    handles the failure before a generation (`handled`), whether they went on without this node
+    (`left_behind`). Asked through one connection kept per group, made only when a TCP probe finds the store
+    listening (and, for `handled`, while `liveness`, launch.liveness, hears it answer); when it cannot be
+    asked, each question has its default."""
 
     def __init__(self) -> None:
         self._store: tuple[tuple[str, str], Any] | None = None  # ((store, group), connection or None)
 
-    def __call__(self, agent, generation: int, liveness=None) -> bool:
+    def handled(self, agent, generation: int, liveness=None) -> bool:
+        """Whether a launcher said it handles the failure before `generation` (its node lives); True when it
+        cannot be asked (the coordinator's NODE_HANDLED_S then decides)."""
+        return self._ask(agent, liveness, lambda store: failure_handled(store, generation), True)
+
+    def left_behind(self, agent, generation: int, liveness=None) -> bool:
+        """Whether the other nodes went on without this one in a smaller world of `generation` (this node was
+        silent: frozen or cut off, and woke), so that its ranks cannot recover in process into it; False
+        when it cannot be asked. Asked whatever `liveness` heard last: a node that wakes from a pause has an old
+        last answer, and this is what it must know first."""
+        return self._ask(agent, None, lambda store: smaller_world_published(store, generation), False, gated=False)
+
+    def _ask(self, agent, liveness, question, otherwise: bool, gated: bool = True) -> bool:
         where = (os.environ.get(COORD_STORE_ENV, ""), agent.round())
-        if self._store is None or self._store[0] != where:
-            if liveness is None or not liveness.answering():
-                return True
-            self._store = (where, coordination_store(where[0], agent.run_id(), where[1], 2.0)
+        if self._store is None or self._store[0] != where or (not gated and self._store[1] is None):
+            if gated and (liveness is None or not liveness.answering()):
+                return otherwise
+            self._store = (where, coordination_store(where[0], agent.run_id(), where[1], STORE_ASK_S)
                            if listens(where[0]) else None)
         if self._store[1] is None:
-            return True
+            return otherwise
         try:
-            return failure_handled(self._store[1], generation)
+            return question(self._store[1])
         except Exception:  # noqa: BLE001 - it stopped answering: not asked again in this group
             self._store = (where, None)
-            return True
-
-
-def left_behind(agent, generation: int) -> bool:
-    """Whether the other nodes went on without this one in a smaller world of `generation` (this node was
-    silent: frozen, or cut off, and woke), so that its ranks cannot recover in process into it. False when the
-    store cannot be asked."""
-    where = os.environ.get(COORD_STORE_ENV, "")
-    if not listens(where):
-        return False
-    try:
-        return smaller_world_published(coordination_store(where, agent.run_id(), agent.round(), 2.0), generation)
-    except Exception:  # noqa: BLE001 - it stopped answering: the other bounds decide
-        return False
+            return otherwise
 
 
 def smaller_world(agent, generation: int, min_nodes: int) -> tuple[list[int], str]:

@@ -128,7 +128,8 @@ def test_a_second_failure_during_the_recovery_falls_back_to_a_full_restart(refer
     """Rank 2 is SIGKILLed as soon as the launcher has noticed rank 1's death, while the survivors wait
     for rank 1's replacement: the launcher gives up the in-process path, says why in the ledger, and
     restarts the whole group, still losing nothing. (Rank 2 is SIGSTOPped first, so that the recovery
-    waits for it: the second failure lands within it, however loaded the machine, before UNAWARE_S.)"""
+    waits for it: the second failure has UNAWARE_S, 2 s, to land within it, not the recovery's fraction of a
+    second.)"""
     run_dir = tmp_path / "run"
     proc = start(run_dir, tmp_path)
     victim = wait_for_step(run_dir, 10, rank=1)

@@ -88,11 +88,11 @@ def test_a_job_pointed_at_the_store_of_another_job_is_refused_and_the_other_goes
     the store the first one's launcher hosts, and end when that job does. It is refused at start (exit 2,
     one line naming the other job), before it starts a rank; the first job goes on."""
     endpoint = f"127.0.0.1:{free_port()}"
-    first = launch(tmp_path / "a", ["train.steps=100000", "checkpoint.every=0"], nproc=1,
+    first = launch(tmp_path / "a", ["train.steps=100000", "checkpoint.every=0", "fault.warm_restarts=false"], nproc=1,
                    extra_args=[f"--rdzv-endpoint={endpoint}", "--rdzv-id=job-a"])
     try:
         wait_for_step(tmp_path / "a", 2)
-        second = launch(tmp_path / "b", ["train.steps=30"], nproc=1,
+        second = launch(tmp_path / "b", ["train.steps=30", "fault.warm_restarts=false"], nproc=1,
                         extra_args=[f"--rdzv-endpoint={endpoint}", "--rdzv-id=job-b"])
         out = finish(second, timeout=60)
         assert second.returncode == 2, out[-3000:]

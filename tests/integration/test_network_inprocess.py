@@ -20,7 +20,7 @@ from trainer.runtime.protocol import read_events
 
 pytestmark = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "ok")
 
-STEPS = 40
+STEPS = 30
 RUN = [f"train.steps={STEPS}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
        "train.eval_every=0", "log.progress=false", "train.log_every=1", "fault.straggler_factor=0", KNOWN_PEAK]
 

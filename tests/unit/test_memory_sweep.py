@@ -66,20 +66,22 @@ def test_a_run_refused_at_start_leaves_no_memory_directory(cache_dir, tmp_path):
     assert not base.exists()
 
 
-def test_the_sweep_removes_other_runs_gone_or_old_and_nothing_else(tmp_path):
+def test_the_sweep_removes_other_runs_gone_or_old_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setenv(memory_sweep.MEMORY_DIR_ENV, str(tmp_path / "default"))  # not the session's, shared
     base, ours = tmp_path / "shm", tmp_path / "ours"
-    gone = [tmp_path / f"gone-{i}" for i in range(5)]  # run.dirs deleted (one run.dir per tier: a tier's start
+    gone = [tmp_path / f"gone-{i}" for i in range(6)]  # run.dirs deleted (one run.dir per tier: a tier's start
     alive = [tmp_path / f"alive-{i}" for i in range(5)]  # removes the earlier runs' of its own run.dir)
     for path in (ours, *alive):
         path.mkdir()
     (ours / RUN_ID_FILE).write_text(json.dumps({"run_id": "000000000000000c"}))
-    removed_gone = written(base, "000000000000000a", gone[0])
+    removed_gone = written(base, "000000000000000a", gone[0], hours_old=1)
     removed_old = written(base, "000000000000000b", alive[0], hours_old=100)
     older_layout = written(base, "000000000000000d", alive[1])
     (older_layout / OWNER).unlink()  # no owner: removed by age only
     aged(older_layout, 100)
     kept = {
         "fresh": written(base, "0000000000000001", alive[2]),
+        "run.dir out of view, written lately": written(base, "0000000000000008", gone[5]),
         "fresh, no owner": written(base, "0000000000000002", alive[3]),
         "ours": written(base, "0000000000000003", ours, hours_old=100),
         "ours by run id": written(base, "000000000000000c", gone[1], hours_old=100),

@@ -83,9 +83,11 @@ def settled() -> Observed:
     return Observed({r: dataclasses.replace(b, generation=1) for r, b in beats().items()})
 
 
-def recovering(now: float = T0 + 0.1) -> Observed:
-    """The ranks here (global ranks 0-2) recovering into generation 1, which this launcher did not start."""
-    return Observed(beats(r0="recover", r1="recover", r2="recover"), now=now, ranks={0: 0, 1: 1, 2: 2})
+def recovering(now: float = T0 + 0.1, handled: bool = True) -> Observed:
+    """The ranks here (global ranks 0-2) recovering into generation 1, which this launcher did not start;
+    `handled`: another node's launcher said it handles that failure."""
+    return Observed(beats(r0="recover", r1="recover", r2="recover"), now=now, ranks={0: 0, 1: 1, 2: 2},
+                    handled=lambda generation: handled and generation == 1)
 
 
 def published(why: str = "") -> WorldPublished:
@@ -141,18 +143,23 @@ ROWS = [
      [Announce, Record, Proceed, Restart], Idle),
     ("several nodes, no in-process: the group restarts", RESTARTS, 3, [], rank_died(), [LetFail], Idle),
     ("the ranks here recover into a generation another node's launcher started: followed", NODES, 3, [],
-     recovering(), [], Pending),
+     recovering(), [SegmentStarted], Pending),
+    ("...not before that launcher said it handles it (a rank here raising: this launcher leads)", NODES, 3, [],
+     recovering(handled=False), [], Idle),
     ("...the watchdog told to leave them alone", NODES, 3, [recovering()], tick(T0 + 1, r0="recover", r1="recover",
                                                                                  r2="recover"), [CheckHangs], Pending),
-    ("...not while a rank here has exited (their recovery is for it: its exit is on the way)", NODES, 3, [],
+    ("...not while a rank here has exited (the recovery is from it: its exit is on the way)", NODES, 3, [],
      dataclasses.replace(recovering(), exited=True), [], Idle),
     ("...settled, and recorded here", NODES, 3, [recovering()], settled(), [Note], Idle),
+    ("...past NODE_HANDLED_S: still followed (RECOVERY_BOUND_S bounds it)", SMALLER, 3, [recovering()],
+     tick(T0 + NODE_HANDLED_S + 1, handled=True, r0="recover", r1="recover", r2="recover"), [CheckHangs], Pending),
+    ("...its leader's node silent: a restart without it", SMALLER, 3, [recovering()],
+     tick(T0 + 1, silence=ALONE, r0="recover", r1="recover", r2="recover"), [Note, Record, Proceed, Restart],
+     Pending),
     ("...a failure here meanwhile falls back", NODES, 3, [recovering()], rank_died(rank=2), [Note, LetFail], Pending),
     ("...past the recovery bound: a full restart", NODES, 3, [recovering()],
      tick(T0 + RECOVERY_BOUND_S + 1, r0="recover", r1="recover", r2="recover"),
      [Note, PrintStacks, Record, Proceed, Restart], Idle),
-    ("...its leader's node lost, no word from it: a smaller world", SMALLER, 3, [recovering()],
-     tick(T0 + NODE_LOST_S + 0.01, r0="recover", r1="recover", r2="recover"), [PublishSmallerWorld], Pending),
     ("...the same generation seen again: followed once", NODES, 3, [recovering(), settled()], recovering(), [], Idle),
     ("every rank here waits for ranks of a silent node: publish a smaller world", SMALLER, 3, [],
      tick(T0 + NODE_LOST_S + 0.01, r0="recover", r1="recover", r2="recover"), [PublishSmallerWorld], Idle),

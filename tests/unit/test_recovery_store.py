@@ -11,9 +11,16 @@ import pytest
 
 from common.clock import wait_until
 from launch.liveness import Liveness
-from launch.recovery.store import HandledQuery, announce
+from launch.recovery.store import StoreQuestions, announce
 from tests.fixtures import free_port
-from trainer.contract import COORD_STORE_ENV, announce_failure, coordination_store, failure_handled, tcp_store_server
+from trainer.contract import (
+    COORD_STORE_ENV,
+    announce_failure,
+    coordination_store,
+    failure_handled,
+    publish_smaller_world,
+    tcp_store_server,
+)
 
 
 class Agent:
@@ -35,11 +42,12 @@ def store_at(monkeypatch):
     del server
 
 
-def test_a_launcher_hears_that_another_handles_its_ranks_failure(store_at, monkeypatch, capfd):
+def test_a_launcher_hears_that_another_handles_its_ranks_failure_or_went_on_without_it(store_at, monkeypatch, capfd):
     liveness = Liveness(store_at, "node-a").start()  # asked only while the store answers
     try:
         assert wait_until(liveness.answering, 10.0, 0.05), "the store never answered"
-        handled = HandledQuery()
+        asks = StoreQuestions()
+        handled = asks.handled
         store = coordination_store(store_at, "job", "r1", 5.0)
         assert not handled(Agent(), 3, liveness)
         announce_failure(store, 3, by="0")  # the ranks that noticed say so: not their launcher
@@ -48,9 +56,13 @@ def test_a_launcher_hears_that_another_handles_its_ranks_failure(store_at, monke
         assert not handled(Agent(), 3, liveness)  # another generation's announcement
         announce_failure(store, 3, handled=True)
         assert handled(Agent(), 3, liveness)
-        assert HandledQuery()(Agent(), 3, None)  # no liveness: not asked (the coordinator's bound decides)
+        assert not asks.left_behind(Agent(), 3, liveness)
+        publish_smaller_world(store, 3, [0, 1])
+        assert asks.left_behind(Agent(), 3, liveness) and not asks.left_behind(Agent(), 4, liveness)
+        assert StoreQuestions().handled(Agent(), 3, None)  # no liveness: not asked (the coordinator's bound decides)
+        assert StoreQuestions().left_behind(Agent(), 3, None)  # asked whatever liveness heard (a node waking)
         monkeypatch.setenv(COORD_STORE_ENV, f"127.0.0.1:{free_port()}")  # nobody listens there
-        assert HandledQuery()(Agent(), 4, liveness)
+        assert StoreQuestions().handled(Agent(), 4, liveness) and not StoreQuestions().left_behind(Agent(), 4, liveness)
         assert "frame #" not in capfd.readouterr().err  # no connection was tried where nothing listens
     finally:
         liveness.stop()

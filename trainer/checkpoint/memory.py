@@ -204,7 +204,7 @@ class MemoryTier:
     def _make_dir(self) -> None:
         """The run's directory on this node and its owner record (trainer.runtime.memory_sweep), at the first
         part written or received: a run refused at start (bad config or input, exit 2) leaves nothing here."""
-        if self._made:
+        if self._made and self.dir.is_dir():  # (removed under the run: made again)
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if not (self.dir / OWNER).exists():

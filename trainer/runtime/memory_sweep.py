@@ -8,8 +8,10 @@ write cut short). The tier makes it at the run's first snapshot and removes it w
 that fails leaves it for the next start of its run.dir.
 
 `sweep` (at a launcher's start, before its ranks) removes, under each base, the snapshot directories of
-other runs whose run.dir no longer exists (a local path; a URL is not judged by existence) or whose newest
-file is older than checkpoint.memory_max_age_h (0: never by age). A directory without `owner.json` (an
+other runs not written for `MEMORY_IDLE_S` (a running job writes its own: its run.dir may be out of this
+process's view, in another container sharing /dev/shm) whose run.dir no longer exists (a local path; a URL
+is not judged by existence) or whose newest file is older than checkpoint.memory_max_age_h (0: never by
+age). A directory without `owner.json` (an
 older layout) is removed by age only. It never removes the current run's snapshots (those whose owner is
 this run.dir, or named by its run id) and never anything it does not recognise: a directory (not a
 symlink) named as a run id that holds only the tier's plain files. It follows no symlink, and an entry it
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import storage
+from common.timing import MEMORY_IDLE_S
 
 MEMORY_DIR_ENV = "REKINDLE_MEMORY_DIR"  # the default checkpoint.memory_dir, where set
 OWNER = "owner.json"  # in a run's memory directory: {"run_dir": ...}
@@ -127,6 +130,8 @@ def _gone(run_dir: str) -> bool:
 def _why(found: Seen, max_age_s: float, now: float) -> str:
     """Why a directory of another run goes ('' when it stays)."""
     owner = f"run.dir {found.run_dir}" if found.run_dir else f"no {OWNER} (an older layout)"
+    if now - found.newest < MEMORY_IDLE_S:  # written lately: a running job's (its run.dir may be out of view)
+        return ""
     if _gone(found.run_dir):
         return f"their run.dir {found.run_dir} no longer exists"
     age = now - found.newest
