@@ -53,9 +53,10 @@ def announce(agent, generation: int, handled: bool = True) -> None:
 class StoreQuestions:
     """What the other nodes' launchers said on the ranks' store about the agent's worker group: whether one
     handles the failure before a generation (`handled`), whether they went on without this node
-    (`left_behind`). Asked through one connection kept per group, made only when a TCP probe finds the store
-    listening (and, for `handled`, while `liveness`, launch.liveness, hears it answer); when it cannot be
-    asked, each question has its default."""
+    (`left_behind`). Asked through one connection kept per group, and only when a TCP probe finds the store
+    listening (a call to a store that is gone prints torch's C++ frames and waits), the connection made, for
+    `handled`, only while `liveness` (launch.liveness) hears it answer; when it cannot be asked, each
+    question has its default."""
 
     def __init__(self) -> None:
         self._store: tuple[tuple[str, str], Any] | None = None  # ((store, group), connection or None)
@@ -74,16 +75,17 @@ class StoreQuestions:
 
     def _ask(self, agent, liveness, question, otherwise: bool, gated: bool = True) -> bool:
         where = (os.environ.get(COORD_STORE_ENV, ""), agent.round())
-        if self._store is None or self._store[0] != where or (not gated and self._store[1] is None):
-            if gated and (liveness is None or not liveness.answering()):
-                return otherwise
-            self._store = (where, coordination_store(where[0], agent.run_id(), where[1], STORE_ASK_S)
-                           if listens(where[0]) else None)
-        if self._store[1] is None:
+        if not listens(where[0]):  # gone (its node lost): no call at all, even on a connection kept from before
             return otherwise
         try:
+            if self._store is None or self._store[0] != where or (not gated and self._store[1] is None):
+                if gated and (liveness is None or not liveness.answering()):
+                    return otherwise
+                self._store = (where, coordination_store(where[0], agent.run_id(), where[1], STORE_ASK_S))
+            if self._store[1] is None:
+                return otherwise
             return question(self._store[1])
-        except Exception:  # noqa: BLE001 - it stopped answering: not asked again in this group
+        except Exception:  # noqa: BLE001 - it stopped answering: not asked again in this group (but `left_behind`)
             self._store = (where, None)
             return otherwise
 

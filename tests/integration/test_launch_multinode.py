@@ -40,7 +40,7 @@ def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wak
     and rank (a node frozen or without power: its connections stay open and nothing fails in the
     collectives its peer waits in; a crash's SIGKILL, which closes them, is the Slurm test's and
     bench_node_loss's). The first node's launcher finds it silent (launch.liveness) after fault.node_silence_s
-    (2.5 s here): alone, but at the only
+    (5 s; a shorter bound: tests/unit/test_liveness.py): alone, but at the only
     endpoint, it goes on; it tells its rank, which leaves its collective and goes on alone in process (world
     1), with the same global batch, from the 2-rank memory snapshot resharded from its own part and its
     peer copy of the other (a step or two back; no durable checkpoint but the last). Then SIGCONT (a VM
@@ -53,8 +53,7 @@ def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wak
 
     def node(name: str) -> subprocess.Popen:
         return launch(tmp_path, ["train.steps=100", "checkpoint.every=200", "checkpoint.memory_every=1",
-                                 f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}", "fault.straggler_factor=0",
-                                 "fault.node_silence_s=2.5"],
+                                 f"checkpoint.memory_dir={tmp_path / ('shm-' + name)}", "fault.straggler_factor=0"],
                       nproc=1, extra_args=args, env=slow)
 
     procs = [node("a"), node("b")]  # at once: both within the rendezvous's last call (3 s), both take part
@@ -82,12 +81,11 @@ def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wak
     guest_node = f"{socket.gethostname()}:{guest.pid}"
     silent = [e for e in events if e["event"] == "partition"]
     assert [(e["silent"], e["live"], e["group_size"]) for e in silent] == [([guest_node], 1, 2)], silent
-    # fault.node_silence_s (from its last count; the default, 5 s, could not be under 5), not a timeout
-    assert 1.5 < silent[0]["time"] - lost < 5, (lost, silent)
+    assert 4 < silent[0]["time"] - lost < 15, (lost, silent)  # fault.node_silence_s (from its last count)
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["tier"] == "memory-reshard" and resume["lost_steps"] <= 2 and resume["step"] >= 14, resume
     assert (resume["path"], resume["replaced"]) == ("in-process", []) and resume["time"] - lost < 20, resume
-    assert 2 < resume["recovery_s"] < 20, resume  # from the lost node's last sign of life: the silence counts
+    assert 4 < resume["recovery_s"] < 20, resume  # from the lost node's last sign of life: the silence counts
     assert "memory snapshot of 2 rank(s)" in out and "resharded to 1" in out, out[-3000:]
     assert re.search(r"going on in process as rank 0 of 1 \(was rank [01] of 2\)", out), out[-3000:]
     assert "telling the ranks here to leave generation 0" in out and "going on without them" in out, out[-3000:]

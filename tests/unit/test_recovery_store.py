@@ -5,6 +5,7 @@ nothing listens (one would print torch's C++ frames and wait seconds)."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -79,3 +80,23 @@ def test_telling_the_ranks_reaches_a_live_store_and_tries_no_connection_to_a_gon
     announce(Agent(), 5, handled=True)
     assert wait_until(told, 2.0, 0.02), "an announcement to a gone store waited"
     assert "frame #" not in capfd.readouterr().err
+
+
+def test_a_store_gone_after_its_connection_was_made_is_not_called_again(monkeypatch, capfd):
+    """The connection kept from before its host was lost is not used: a call would print torch's C++ frames
+    (the failure that follows a lost store host) and wait; each question answers its default at once."""
+    server = tcp_store_server("127.0.0.1", 0, None, timedelta(seconds=5), wait_for_workers=False)
+    monkeypatch.setenv(COORD_STORE_ENV, f"127.0.0.1:{server.port}")
+    liveness = Liveness(f"127.0.0.1:{server.port}", "node-a").start()
+    try:
+        assert wait_until(liveness.answering, 10.0, 0.05), "the store never answered"
+        asks = StoreQuestions()
+        assert not asks.handled(Agent(), 1, liveness) and not asks.left_behind(Agent(), 1, liveness)  # connected
+        liveness.stop()
+        del server  # the host is gone
+        started = time.monotonic()
+        assert asks.handled(Agent(), 1, None) and not asks.left_behind(Agent(), 1, None)
+        assert time.monotonic() - started < 2.0
+        assert "frame #" not in capfd.readouterr().err
+    finally:
+        liveness.stop()
