@@ -12,6 +12,7 @@ SETTLE_S = 0.3  # a competing lease write lands within this (a read after it tel
 
 # ---------------------------------------------------------------------- in-process recovery, the ranks' side
 WATCH_S = 0.1  # how often a rank asks the store whether another rank noticed a failure (one key: cheap)
+WATCH_STORE_S = 2.0  # how long the watch thread's call to the store may take (it then checks again)
 NOTICE_GRACE_S = 0.2  # after another rank noticed: how long a rank waits for its own collective to fail, then leaves
 STUCK_S = 10.0  # a rank that left and has not begun its recovery this long after is blocked: it ends itself
 POLL_S = 0.01  # how often a waiting survivor asks the store (on a few cores, asking takes CPU from the replacement)
@@ -21,6 +22,7 @@ RELEASE_AFTER_S = 5.0  # the failed generation's groups are let go this long aft
 UNAWARE_S = 2.0  # a survivor still training in the failed generation this long after is replaced as well
 NODE_LOST_S = 0.4  # every rank here recovering this long, no word from the other ranks' launcher: their node is lost
 NODE_HANDLED_S = 5.0  # how long a launcher waits for a failed rank's launcher that said it handles the failure
+ARRIVAL_S = 5.0  # how long a launcher waits for its ranks to come to a recovery (after a store move: they follow it)
 RECOVERY_BOUND_S = 20.0  # a recovery not finished by then is stuck where no bound of its own catches: group restart
 
 # ---------------------------------------------------------------------- nodes (launch/)
@@ -29,6 +31,7 @@ LOST_S = 5.0  # liveness silence after which a launcher, or the store, is lost (
 CONFIRM_S = 1.0  # the store's silence must be seen for this long (not merely found on waking from a pause)
 PROBE_S = 0.3  # how long a starting launcher waits for each later rendezvous endpoint to answer
 MOVE_WAIT_S = 10.0  # how long a launcher moving down the endpoint list waits for the next store to listen
+MOVE_SETTLE_S = 1.0  # after a store move, how long a launcher waits for the others to move too before a smaller world
 TOLD_S = 5.0  # ranks told to go on in a smaller world and not done by then: the group restarts
 MEMORY_IDLE_S = 600.0  # a node's memory snapshots written this lately are never swept (a running job's)
 OWNER_WAIT_S = 2.0  # a launcher connecting to a rendezvous store waits this long for its host to name its job

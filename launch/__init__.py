@@ -8,7 +8,9 @@
     liveness     whether the launchers of a job still hear each other: counters on the rendezvous store
     preemption   SIGTERM to the launcher: passed to the ranks, the grace period, a second signal
     outcome      the exit code and its one line; commits: what the checkpoint store says was committed
-    agent        torchrun's LocalElasticAgent with the supervisor's hooks (the only file touching its internals)
+    agent        torchrun's LocalElasticAgent with the supervisor's hooks; it adopts another agent's running
+                 ranks when the store moves (with rounds, the only files touching torchelastic's internals)
+    rounds       what torch's private rendezvous state says: the round, each node's ranks, nodes that left
     rendezvous   the c10d rendezvous (loopback-only store on one node; an ordered endpoint list to move down
                  when the node hosting one is lost) and the worker spec
     zygote, stub warm restarts: the fork server ranks are forked from, and the stub torchelastic starts

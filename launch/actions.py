@@ -6,6 +6,7 @@ an event: `CheckHangs` (the watchdog's verdict) and `PublishSmallerWorld` (the s
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -115,7 +116,10 @@ def _ask(s: Supervisor, a: CheckHangs | PublishSmallerWorld) -> list[Action]:
         failure = failures.from_hang(hang, s.cfg.checkpoint_dir)
         return s.coordinator.handle(HangFound(failure=failure, pid=hang.pid, gone=hang.state == "gone", beats=a.beats,
                                               now=a.now))
-    kept = {lr: a.beats[rank].pid for lr, rank in s.agent.global_ranks().items() if rank in a.beats}
-    lost, why = store.smaller_world(s.agent, a.generation, s.opts.min_nodes)
+    kept = dict(enumerate(sorted(b.pid for b in a.beats.values())))  # by pid (the ranks here may be renumbered)
+    answer = store.smaller_world(s.agent, a.generation, s.opts.min_nodes, waited_s=time.time() - a.noticed)
+    if answer is None:  # the ranks here are on their way: asked again at the next look
+        return []
+    lost, why = answer
     return s.coordinator.handle(WorldPublished(generation=a.generation, noticed=a.noticed, kept=kept, lost=tuple(lost),
-                                               why=why, step=s.last_step() + 1))
+                                               why=why, step=s.last_step() + 1, world=s.agent.world_size()))

@@ -1,7 +1,7 @@
-"""torchrun's elastic agent (`LocalElasticAgent`) with the supervisor's hooks. The only module that
-touches torchelastic's internals (its private methods, `_pcontext`, `_worker_group`,
-`_remaining_restarts`, the rendezvous handler's `_state_holder`): when a torch release moves them, this
-file is what to fix.
+"""torchrun's elastic agent (`LocalElasticAgent`) with the supervisor's hooks. With launch.rounds (which
+reads the rendezvous handler's `_state_holder`), the only module that touches torchelastic's internals
+(its private methods, `_pcontext`, `_worker_group`, `_remaining_restarts`): when a torch release moves
+them, these files are what to fix.
 
 What it changes in torchrun's behaviour:
 - a failed group's survivors are SIGKILLed at once instead of SIGTERMed with a 30s wait (they sit in
@@ -19,10 +19,11 @@ running group is healthy."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,8 +37,10 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from common.clock import wait_until
 from common.process import send_signal
 from common.timing import EXIT_BARRIER_S, SURVIVOR_GRACE_S
-from launch.failures import RankExit
-from trainer.contract import ROUND_ENV, check_elastic_agent, is_alive
+from launch.failures import RankExit, drop_torn_error_file, rank_exit
+from launch.rendezvous import store_lost
+from launch.rounds import Round, nodes_that_left
+from trainer.contract import COORD_STORE_ENV, ROUND_ENV, check_elastic_agent, is_alive
 
 
 class _QuietThreadWarning(logging.Filter):
@@ -87,6 +90,9 @@ class Hooks(Protocol):
         while the ranks here still run: True restarts the group here too, as a failure; False stops (the
         restart policy says so)."""
 
+    def keep_ranks_on_store_loss(self) -> bool:
+        """The store was lost while the group runs: True keeps the ranks for the next endpoint's agent (`adopt`)."""
+
     def replace_failed(self, exits: dict[int, RankExit]) -> dict[str, str] | None:
         """Ranks of the running group failed (`exits`, by global rank) while the others still run: the
         environment to start their replacements with (in-process recovery: only they restart), or None
@@ -95,6 +101,21 @@ class Hooks(Protocol):
 
 class Stopping(Exception):
     """Raised on the agent's thread when a signal arrived between worker groups: start nothing more."""
+
+
+@dataclass
+class Move:
+    """An agent's part in a move down the endpoint list: it handed its ranks to the next endpoint's agent (and
+    why), or adopted another agent's (when; `pending` until its first look skips starting them)."""
+
+    handed_over: bool = False
+    store_error: BaseException | None = None
+    adopted_at: float | None = None
+    pending: bool = False
+
+
+class HandedOver(Exception):
+    """Raised on the agent's thread once its ranks went to the agent of the next endpoint: it touches them no more."""
 
 
 class _NoRestartLeft(Exception):
@@ -110,7 +131,9 @@ class SupervisedAgent(LocalElasticAgent):
         check_elastic_agent(self)  # what follows overrides and reads torchelastic's private members
         self.spec, self.hooks, self.drain_grace_s = spec, hooks, drain_grace_s
         self._victims: set[int] = set()  # local ranks still alive when the group was torn down
-        self._round, self._round_nodes = "", frozenset()  # the running group's rendezvous round and its nodes
+        self.meeting = Round()  # the running group's rendezvous round
+        self.move = Move()  # its part in a move down the endpoint list (`hand_over`, `adopt`)
+        self.coord_store = os.environ.get(COORD_STORE_ENV, "")  # its ranks' store (host:port), set by its rendezvous
 
     # ------------------------------------------------------------------ the supervisor's interface
     def supervise(self) -> str:
@@ -165,15 +188,15 @@ class SupervisedAgent(LocalElasticAgent):
 
     def round(self) -> str:
         """The running worker group's name, the same on every node: its rendezvous round ("r3")."""
-        return self._round
+        return self.meeting.name
 
     def group(self) -> tuple[str, int, int] | None:
         """The running worker group: its name (`round`), this node's rank in it and its number of nodes;
         None between groups."""
         g = self._worker_group
-        if g.group_rank is None or not self._round:
+        if g.group_rank is None or not self.meeting.name:
             return None
-        return self._round, g.group_rank, g.group_world_size
+        return self.meeting.name, g.group_rank, g.group_world_size
 
     def waiting_as_spare(self) -> bool:
         """Whether this node waits in the rendezvous's redundancy list (the job has its --nnodes MAX nodes):
@@ -194,7 +217,7 @@ class SupervisedAgent(LocalElasticAgent):
         that comes back to the rendezvous is a node joining (the ranks here drain, committing their
         progress, and restart with it), not a node of the group that restarted it (a failure: restarting at
         once, from the older state the two worlds still share, would lose the steps trained alone)."""
-        self._round_nodes = frozenset({getattr(self.spec.rdzv_handler, "_this_node", None)}) & self._round_nodes
+        self.meeting = self.meeting.renumbered(ranks, getattr(self.spec.rdzv_handler, "_this_node", None))
         world = len(ranks)
         for worker in self._worker_group.workers:
             worker.global_rank = worker.role_rank = ranks[worker.global_rank]
@@ -204,6 +227,29 @@ class SupervisedAgent(LocalElasticAgent):
                 env.update(RANK=str(worker.global_rank), ROLE_RANK=str(worker.global_rank), WORLD_SIZE=str(world),
                            ROLE_WORLD_SIZE=str(world))
         self._exit_barrier_timeout = 0
+
+    def hand_over(self) -> None:
+        """Leave the running ranks to the next endpoint's agent (the store was lost): this agent neither stops nor
+        watches them any more, whatever its thread (maybe blocked in a call to the lost store) does."""
+        self.move.handed_over = True
+
+    def handed_over(self) -> bool:
+        return self.move.handed_over and self.running()
+
+    def adopt(self, previous: SupervisedAgent, group: str, env: dict[str, str]) -> None:
+        """Take over the running ranks of `previous`, the agent of the endpoint whose store was lost, instead of
+        meeting the others and starting ranks: they go on in process (their recovery moves to this
+        endpoint's store). `group`: the name their keys live under on the new store; `env`: what a rank
+        started later (a replacement) is told instead of the old store."""
+        self._pcontext, self._worker_group = previous._pcontext, previous._worker_group
+        self._worker_group.spec = self.spec  # this endpoint's rendezvous
+        self._remaining_restarts = previous._remaining_restarts
+        self._exit_barrier_timeout = previous._exit_barrier_timeout
+        self.meeting = previous.meeting.moved(group)
+        for worker_env in self._pcontext.envs.values():
+            worker_env.update(env, **{ROUND_ENV: group})
+        self._fast_close(self._pcontext)
+        self.move.adopted_at, self.move.pending = time.time(), True
 
     def leave_rendezvous(self) -> None:
         """Close the rendezvous for good (a preempted node leaves it open for its replacement instead, and a
@@ -216,8 +262,30 @@ class SupervisedAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group) -> None:
         super()._rendezvous(worker_group)
-        self._round, self._round_nodes = round_of(self.spec.rdzv_handler, worker_group)
-        os.environ[ROUND_ENV] = self._round  # the ranks' (torchelastic starts them with os.environ and its own)
+        self.meeting = Round.met(self.spec.rdzv_handler, worker_group, self.world_size(), self.spec.local_world_size)
+        os.environ[ROUND_ENV] = self.meeting.name  # the ranks' (torchelastic starts them with os.environ and its own)
+
+    def _initialize_workers(self, worker_group) -> None:
+        if self.move.pending:  # the ranks run already (`adopt`)
+            self.move.pending = False
+            worker_group.state = WorkerState.HEALTHY
+            return
+        super()._initialize_workers(worker_group)
+
+    def _invoke_run(self, role: str = "default"):
+        try:
+            return super()._invoke_run(role)
+        except Exception as e:
+            if self.move.handed_over or (store_lost(e) and self.running() and self.hooks.keep_ranks_on_store_loss()):
+                self.hand_over()
+                self.move.store_error = e
+                # PR_SET_PDEATHSIG kills a child when the *thread* that forked it ends: this one waits, for good.
+                threading.Event().wait()
+            raise
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if not self.move.handed_over:  # (the ranks are the next agent's)
+            super()._shutdown(death_sig, timeout)
 
     def _start_workers(self, worker_group):
         if self.hooks.signalled():
@@ -235,7 +303,8 @@ class SupervisedAgent(LocalElasticAgent):
         are stuck in collectives with the dead rank (SIGTERM only reaches Python between C++ calls),
         so kill them at once, and remember which ranks were still alive: they are victims, not causes.
         During a preemption the ranks get the gentle signal and the grace period instead."""
-        close = pcontext.close
+        close = getattr(pcontext, "torch_close", pcontext.close)  # torchelastic's own (an adopted group's too)
+        pcontext.torch_close = close
         self._victims = set()
 
         def close_now(death_sig=None, timeout: int = 30) -> None:
@@ -244,7 +313,7 @@ class SupervisedAgent(LocalElasticAgent):
                 death_sig, timeout = death_sig or signal.SIGKILL, min(timeout, SURVIVOR_GRACE_S)
             close(death_sig, timeout)
             for lr in self._victims:  # torchelastic reads their error files next: a torn one would raise
-                _drop_torn_error_file(pcontext.error_files[lr])
+                drop_torn_error_file(pcontext.error_files[lr])
 
         pcontext.close = close_now
 
@@ -258,7 +327,7 @@ class SupervisedAgent(LocalElasticAgent):
         group only when a node waits to join (a membership change): the ranks are drained first, so
         that the new group loses no step."""
         membership = worker_group.state == WorkerState.HEALTHY
-        if membership and (left := nodes_that_left(self.spec.rdzv_handler, self._round_nodes)):
+        if membership and (left := nodes_that_left(self.spec.rdzv_handler, self.meeting.nodes)):
             membership = False  # a failure elsewhere: the ranks here wait for ranks that are gone
             if not self.hooks.group_left(left):
                 self._stop_workers(worker_group)
@@ -280,11 +349,13 @@ class SupervisedAgent(LocalElasticAgent):
             raise Stopping("signalled during the backoff")
 
     def _monitor_workers(self, worker_group) -> RunResult:
+        if self.move.handed_over:
+            raise HandedOver("the ranks went to the agent of the next rendezvous endpoint")
         self._replace_failed(worker_group)
         result = super()._monitor_workers(worker_group)
         exits = {}
         if result.state == WorkerState.FAILED:
-            exits = {rank: _rank_exit(rank, pf) for rank, pf in result.failures.items()}
+            exits = {rank: rank_exit(rank, pf) for rank, pf in result.failures.items()}
         status = GroupStatus(result.state.name.lower(), exits, frozenset(self._victims))
         return RunResult(state=WorkerState.UNHEALTHY) if self.hooks.review(status) else result
 
@@ -312,10 +383,10 @@ class SupervisedAgent(LocalElasticAgent):
             return False
         exits = {}
         for lr, code in dead.items():
-            _drop_torn_error_file(pcontext.error_files[lr])
+            drop_torn_error_file(pcontext.error_files[lr])
             failure = ProcessFailure(local_rank=lr, pid=handlers[lr].proc.pid, exitcode=code,
                                      error_file=pcontext.error_files[lr])
-            exits[worker_group.workers[lr].global_rank] = _rank_exit(worker_group.workers[lr].global_rank, failure)
+            exits[worker_group.workers[lr].global_rank] = rank_exit(worker_group.workers[lr].global_rank, failure)
         extra_env = self.hooks.replace_failed(exits)
         if extra_env is None:
             return False
@@ -327,51 +398,3 @@ class SupervisedAgent(LocalElasticAgent):
                 stdout=pcontext.stdouts[lr], stderr=pcontext.stderrs[lr], local_rank_id=lr)
             worker_group.workers[lr].id = handlers[lr].proc.pid
         return True
-
-
-def round_of(handler, group) -> tuple[str, frozenset]:
-    """(name, nodes) of the rendezvous round just met, from torch's private rendezvous state; when torch
-    moved it, the group's store address (a fresh port each round: the launcher turns torch's sharing of
-    the rendezvous store off) and no nodes."""
-    try:
-        state = handler._state_holder.state
-        return f"r{state.round}", frozenset(state.participants)
-    except AttributeError:
-        return f"{group.master_addr}:{group.master_port}", frozenset()
-
-
-def nodes_that_left(handler, round_nodes: frozenset) -> list[str]:
-    """Nodes of a round (`round_nodes`, from `round_of`) now waiting to meet again: their launcher restarted
-    the group. From torch's private rendezvous state as the handler's last sync left it (`num_nodes_waiting`
-    syncs); [] when torch moved it."""
-    try:
-        state = handler._state_holder.state
-        left = (set(state.wait_list) | set(state.redundancy_list)) & round_nodes
-    except AttributeError:
-        return []
-    return sorted(f"{node.addr}:{node.pid}" for node in left)
-
-
-def _drop_torn_error_file(path: str) -> None:
-    """Remove a rank's error file that is not whole JSON: the rank was killed while writing it (a victim
-    of another rank's failure, caught writing its own). torchelastic's ProcessFailure raises on it, which
-    would end the agent; without the file the rank counts as killed, which it was."""
-    try:
-        with open(path) as f:
-            json.load(f)
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError):
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-def _rank_exit(rank: int, pf) -> RankExit:
-    """torchelastic's ProcessFailure as plain data. Without an error file torchelastic fills in a
-    placeholder message; that is no error of the rank's, so it becomes None."""
-    try:
-        when, error = os.stat(pf.error_file).st_mtime, pf.error_file_data
-    except (OSError, TypeError):
-        when, error = float(pf.timestamp), None
-    return RankExit(rank, pf.local_rank, pf.exitcode, when, error)
-

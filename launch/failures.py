@@ -7,6 +7,9 @@ and the root cause is the failure that explains the others."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 import signal
 from dataclasses import dataclass
@@ -176,3 +179,27 @@ def from_hang(hang: Hang, checkpoint_dir: str = "") -> Failure:
     if hang.phase in ("save", "preempt") and checkpoint_dir:
         message += f" [checkpoint storage: {checkpoint_dir}]"
     return Failure(hang.rank, "hang", hang.step + 1, message=message, key=f"rank {hang.rank} {hang.state} {hang.phase}")
+
+
+def drop_torn_error_file(path: str) -> None:
+    """Remove a rank's error file that is not whole JSON: the rank was killed while writing it (a victim
+    of another rank's failure, caught writing its own). torchelastic's ProcessFailure raises on it, which
+    would end the agent; without the file the rank counts as killed, which it was."""
+    try:
+        with open(path) as f:
+            json.load(f)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def rank_exit(rank: int, pf) -> RankExit:
+    """torchelastic's ProcessFailure as plain data. Without an error file torchelastic fills in a
+    placeholder message; that is no error of the rank's, so it becomes None."""
+    try:
+        when, error = os.stat(pf.error_file).st_mtime, pf.error_file_data
+    except (OSError, TypeError):
+        when, error = float(pf.timestamp), None
+    return RankExit(rank, pf.local_rank, pf.exitcode, when, error)

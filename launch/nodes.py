@@ -103,9 +103,10 @@ class Membership:
         self.ledger.event("partition", cut_off=self.ledger.node, endpoint=self.endpoint, quiet_s=round(quiet, 1))
         return RendezvousConnectionError(f"the rendezvous store at {self.endpoint} did not answer for {quiet:.0f}s")
 
-    def handled(self, agent, generation: int) -> bool:
-        """Whether another node's launcher said it handles the failure before `generation` (its node lives)."""
-        return self._store.handled(agent, generation, self.liveness)
+    def handled(self, agent, generation: int, unknown: bool = True) -> bool:
+        """Whether another node's launcher said it handles the failure before `generation` (its node lives);
+        `unknown` when the store cannot be asked."""
+        return self._store.handled(agent, generation, self.liveness, unknown)
 
     def left_behind(self, agent, generation: int) -> bool:
         """Whether the other nodes went on without this one in a smaller world of `generation`."""

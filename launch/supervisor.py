@@ -34,9 +34,11 @@ from launch.nodes import Membership
 from launch.options import LaunchOptions
 from launch.policy import Decision, RestartPolicy
 from launch.preemption import Preemption
+from launch.recovery import store as recovery_store
 from launch.recovery.coordinator import RecoveryCoordinator
 from launch.recovery.events import GroupFailed, GroupLeft, GroupStarted, Observed, Preempted, RanksExited, Tick
 from launch.recovery.states import Mode
+from launch.rounds import stop_keep_alive
 from launch.stub import ZYGOTE_ENV
 from launch.watchdog import Watchdog, abandoned_progress, heartbeat_prefix
 from launch.zygote import Zygote
@@ -48,7 +50,9 @@ from trainer.contract import (
     LAUNCHER_PID_ENV,
     Config,
     HeartbeatRecord,
+    forget_store_moves,
     format_cost,
+    write_store_moved,
 )
 
 log = logging.getLogger(__name__)
@@ -113,6 +117,7 @@ class Supervisor:
     def before_start(self, attempt: int) -> None:
         self.attempt = attempt
         self.watchdog.reset()
+        forget_store_moves(self.watchdog.directory)
         self.coordinator.handle(GroupStarted())
         if self.zygote is not None and not self.zygote.alive():
             if self.zygote.ensure() and self.zygote.wait_bound():
@@ -137,6 +142,13 @@ class Supervisor:
         if delay:
             log.info(f"no progress since the last failure: waiting {delay:.1f}s before restarting")
         return delay
+
+    def keep_ranks_on_store_loss(self) -> bool:
+        """Whether the ranks keep running when the rendezvous store is lost: in process under --nnodes MIN:MAX,
+        with an endpoint to move to, and no signal or stop decided (the next endpoint's agent adopts them)."""
+        mode = self.coordinator.mode
+        return (mode.in_process and mode.smaller and not self.members.last_endpoint and self.preemption.at is None
+                and self.ending.decision is None)
 
     def replace_failed(self, exits: dict) -> dict[str, str] | None:
         """In-process recovery: the replacements' environment, or None for a full restart."""
@@ -166,7 +178,7 @@ class Supervisor:
             self.observe(beat)
         exited = any(not is_alive(b.pid) for b in beats.values())  # after the read: see Observed
         actions = self.coordinator.handle(Observed(beats, now=now, ranks=self.agent.global_ranks(), exited=exited,
-                                                   handled=lambda g: self.members.handled(self.agent, g)))
+                                                   handled=lambda g: self.members.handled(self.agent, g, False)))
         if self.preemption.at is not None:
             actions += self.coordinator.handle(Preempted())
         elif status.state == "failed":
@@ -210,9 +222,16 @@ class Supervisor:
         try:
             if self.zygote is not None:
                 self._use_zygote()
-            while self._meet_at(at) and self._job_finished() is None and at + 1 < len(listed):
+            handed = None
+            while self._meet_at(at, handed) and self._job_finished() is None and at + 1 < len(listed):
                 self.members.move_down()
-                self.ending.error, self.ledger.interrupted = None, (time.time(), "rendezvous host lost")
+                # Its ranks go on when it handed them over: the next endpoint's agent adopts them.
+                handed = self.agent if self.agent is not None and self.agent.handed_over() else None
+                if self.agent is not None:
+                    stop_keep_alive(self.agent.spec.rdzv_handler)
+                self.ending.error = None
+                if handed is None:
+                    self.ledger.interrupted = (time.time(), "rendezvous host lost")
                 self.agent = None  # the old agent's thread may still be blocked in a call to the lost store
                 at += 1
             if beats := self.watchdog.beats(self.attempt):  # the last word of this node's ranks, for the outcome
@@ -232,9 +251,11 @@ class Supervisor:
         log.info(f"warm restarts: ranks are forked from a process with torch and the trainer imported "
                  f"(pid {self.zygote.pid}; fault.warm_restarts=false turns this off)")
 
-    def _meet_at(self, at: int) -> bool:
+    def _meet_at(self, at: int, previous: SupervisedAgent | None = None) -> bool:
         """Run worker groups with the rendezvous at the `at`-th endpoint until the job ends here; True when
-        it ended because that endpoint's store stopped answering (its node is lost, or this one cut off)."""
+        it ended because that endpoint's store stopped answering (its node is lost, or this one cut off).
+        `previous`: the agent of the lost endpoint, whose ranks still run; the new agent adopts them instead of
+        meeting the others (their recovery moves to this endpoint's store)."""
         o = self.opts
         try:
             endpoint = self.members.meet(at)
@@ -243,13 +264,18 @@ class Supervisor:
                                                   warm=self.zygote is not None, endpoint=endpoint)
         except Exception as e:  # noqa: BLE001 - the next endpoint's node may be lost too
             self.ending.error = e
+            if previous is not None:  # nobody to adopt its ranks: they go
+                previous.kill()
             log.info(f"cannot meet at {self.members.endpoints[at]}: {type(e).__name__}: {e}")
             return rendezvous.store_lost(e)
         self.members.watch(os.environ.get(COORD_STORE_ENV, ""))
         if not self.coordinator.mode.uses_store:  # (the rendezvous handler names its store for the ranks)
             os.environ.pop(COORD_STORE_ENV, None)
         self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
-        self.ledger.event("rendezvous", endpoint=self.members.endpoint, index=at, hosted=hosted)
+        if previous is not None:
+            self._adopt(previous, at)
+        self.ledger.event("rendezvous", endpoint=self.members.endpoint, index=at, hosted=hosted,
+                          adopted=previous is not None)
         thread = threading.Thread(target=self._run_agent, args=(self.agent,), name="elastic-agent", daemon=True)
         thread.start()
         try:
@@ -258,6 +284,17 @@ class Supervisor:
             self.members.stop()
         error = self.ending.error
         return self.preemption.at is None and error is not None and rendezvous.store_lost(error)
+
+    def _adopt(self, previous: SupervisedAgent, at: int) -> None:
+        """The new agent takes over the ranks of the lost endpoint's; the ranks learn where their store went
+        (the heartbeat directory's store file: trainer.recovery.regroup follows it)."""
+        store, group = os.environ[COORD_STORE_ENV], f"{previous.round()}@{at}"
+        old = (previous.coord_store, previous.round())
+        self.agent.adopt(previous, group, {COORD_STORE_ENV: store})
+        write_store_moved(self.watchdog.directory, old, (store, group))
+        recovery_store.moved_here(self.agent)
+        log.info(f"the ranks here keep running (pids {sorted(self.agent.worker_pids().values())}): their in-process "
+                 f"recovery moves to the store at {self.members.endpoint}")
 
     def _run_agent(self, agent: SupervisedAgent) -> None:
         """The agent's thread. An agent left behind when this node moved down the endpoint list (blocked in
@@ -284,9 +321,17 @@ class Supervisor:
         while thread.is_alive():
             thread.join(0.2)
             p = self.preemption
+            if self.agent.move.store_error is not None:  # its ranks go on under the next endpoint's agent
+                self.ending.error = self.agent.move.store_error
+                return
             if p.at is None:
                 if self.ending.error is None and (cut := self.members.cut_off()) is not None:
-                    self.agent.kill()  # its thread may be blocked in a call to the store for a minute more
+                    # Its thread may be blocked in a call to the store for a minute more: the ranks go on under the
+                    # next endpoint's agent, or are stopped here.
+                    if self.agent.running() and self.keep_ranks_on_store_loss():
+                        self.agent.hand_over()  # (its thread, blocked or not, ends no rank)
+                    else:
+                        self.agent.kill()
                     self.ending.error = cut
                     return
                 self.members.note_spare(self.agent)

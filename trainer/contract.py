@@ -3,7 +3,8 @@ imports from trainer/ (a unit test holds it to that). What crosses:
 
   exit codes                                  common.exits (trainer.runtime.protocol re-exports them too)
   env names, heartbeats, events               trainer.runtime.protocol: how a rank and its launcher talk (the
-                                              heartbeat record: HeartbeatRecord, read by read_heartbeats)
+                                              heartbeat record: HeartbeatRecord, read by read_heartbeats; where
+                                              the ranks' store moved: write_store_moved, forget_store_moves)
   process helpers                             common.process: liveness, dying with a parent
   scratch directories                         trainer.runtime.scratch: per-process temp dirs, dead owners' swept
   memory_sweep                                trainer.runtime.memory_sweep: this node's memory snapshots of runs
@@ -47,7 +48,9 @@ from trainer.runtime.protocol import (
     ROUND_ENV,
     HeartbeatRecord,
     append_event,
+    forget_store_moves,
     read_heartbeats,
+    write_store_moved,
 )
 from trainer.runtime.scratch import scratch_prefix, sweep_scratch
 
@@ -84,5 +87,5 @@ __all__ = [
     "append_event", "arrived_key", "atomic_file", "failed_key", "handled_key", "next_generation", "store_prefix",
     "world_key", "cost_report", "die_with_parent", "exit_now", "format_cost", "is_alive", "load",
     "logs", "memory_sweep", "proc_stat", "read_heartbeats", "scratch_prefix", "sweep_scratch", "temp_name",
-    "validate", *_LAZY,
+    "validate", "forget_store_moves", "write_store_moved", *_LAZY,
 ]

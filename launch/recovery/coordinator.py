@@ -15,7 +15,8 @@ In-process recovery (`Mode.in_process`): a failed rank is replaced alone, in the
 own node's launcher, which leads the recovery; the survivors keep their processes, on every node, and the
 other nodes' launchers follow it (`Pending.followed`). Under `--nnodes MIN:MAX` (`Mode.smaller`) a node whose
 every rank waits for ranks of other nodes whose launcher said nothing (NODE_LOST_S) sends its survivors on
-in a smaller world; a live node's launcher says at once that it handles its ranks' failure (`Announce`),
+in a smaller world, and so does every other surviving node, in the same world (the first launcher's to be
+published stands); a live node's launcher says at once that it handles its ranks' failure (`Announce`),
 and the others wait NODE_HANDLED_S for it at the rendezvous instead.
 
 Its clock is the wall clock (`time.time()`): the heartbeat records it compares with carry wall times."""
@@ -263,8 +264,8 @@ class RecoveryCoordinator:
         self.generation, self.told = e.generation, None
         self.state = Pending(generation=e.generation, noticed=e.noticed, replaced=[], kept=dict(e.kept), lost=lost)
         return [*verdict, SegmentStarted(noticed=e.noticed, generation=e.generation, smaller=True),
-                Note(f"in-process recovery, generation {e.generation}: the ranks here go on as a world of "
-                     f"{len(e.kept)} without rank(s) {lost}")]
+                Note(f"in-process recovery, generation {e.generation}: the {len(e.kept)} rank(s) here go on in a world "
+                     f"of {e.world or len(e.kept)} without rank(s) {lost}")]
 
     def _left(self, e: GroupLeft) -> list[Action]:
         nodes = ", ".join(e.nodes)
@@ -350,11 +351,15 @@ class RecoveryCoordinator:
 
     def _lost_node(self, e: Tick) -> PublishSmallerWorld | None:
         """Every rank of this node has been recovering for NODE_LOST_S (NODE_HANDLED_S when the lost ranks'
-        launcher said it handles their failure), with no failure of this node's under way: their node is lost."""
+        launcher said it handles their failure), with no failure of this node's under way: their node is lost.
+        The ranks here may have gone on already, in the smaller world another node's launcher published (they
+        read it before this launcher looked): it is taken then (`PublishSmallerWorld` finds it published)."""
         if not self.mode.smaller or self.pending is not None or not e.local_ranks:
             return None
-        waiting = [e.beats.get(rank) for rank in e.local_ranks]
-        if not all(b is not None and b.phase == "recover" and b.recovery.recovering for b in waiting):
+        waiting = list(e.beats.values())  # this node's ranks: the heartbeat directory is this launcher's
+        if len(waiting) < len(e.local_ranks) or not all(
+                b.recovery.recovering > self.generation
+                and (b.phase == "recover" or b.generation >= b.recovery.recovering) for b in waiting):
             return None
         noticed = min(b.recovery.t_error or e.now for b in waiting)
         generation = max(b.recovery.recovering for b in waiting)

@@ -115,6 +115,7 @@ class WorldPublished:
     lost: tuple[int, ...]
     why: str
     step: int
+    world: int = 0  # the smaller world's size
 
 
 @dataclass(frozen=True)

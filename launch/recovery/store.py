@@ -7,12 +7,14 @@ to a store that listens: one to a store that is gone prints torch's C++ frames a
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
+import time
 from typing import Any
 
 from common.net import listening
-from common.timing import STORE_ASK_S, STORE_PROBE_S
+from common.timing import ARRIVAL_S, MOVE_SETTLE_S, STORE_ASK_S, STORE_PROBE_S
 from trainer.contract import (
     COORD_STORE_ENV,
     announce_failure,
@@ -61,10 +63,11 @@ class StoreQuestions:
     def __init__(self) -> None:
         self._store: tuple[tuple[str, str], Any] | None = None  # ((store, group), connection or None)
 
-    def handled(self, agent, generation: int, liveness=None) -> bool:
-        """Whether a launcher said it handles the failure before `generation` (its node lives); True when it
-        cannot be asked (the coordinator's NODE_HANDLED_S then decides)."""
-        return self._ask(agent, liveness, lambda store: failure_handled(store, generation), True)
+    def handled(self, agent, generation: int, liveness=None, unknown: bool = True) -> bool:
+        """Whether a launcher said it handles the failure before `generation` (its node lives); `unknown` when
+        it cannot be asked (True for the lost-node verdict: the coordinator's NODE_HANDLED_S then decides;
+        False for following another launcher's recovery, which needs its word)."""
+        return self._ask(agent, liveness, lambda store: failure_handled(store, generation), unknown)
 
     def left_behind(self, agent, generation: int, liveness=None) -> bool:
         """Whether the other nodes went on without this one in a smaller world of `generation` (this node was
@@ -90,18 +93,64 @@ class StoreQuestions:
             return otherwise
 
 
-def smaller_world(agent, generation: int, min_nodes: int) -> tuple[list[int], str]:
-    """The survivors of a lost node are all here: publish the smaller world they go on in (their new ranks)
-    and renumber the agent's group. Returns (the lost ranks, why not: '' when published)."""
-    local, world = agent.global_ranks(), agent.world_size()
+MOVED_KEY = "moved/{rank}"  # under the group's prefix on a store moved to: a node whose ranks followed it
+
+
+def moved_here(agent) -> None:
+    """This node's launcher adopted its ranks at the store the job moved to (its previous host was lost): say
+    so there, with the ranks that follow, so that a launcher sending the survivors on in a smaller world
+    waits for them (`smaller_world`)."""
+    local = sorted(agent.global_ranks().values())
+    store = coordination_store(os.environ[COORD_STORE_ENV], agent.run_id(), agent.round(), STORE_ASK_S)
+    store.set(MOVED_KEY.format(rank=local[0]), json.dumps(local))
+
+
+def _moved_nodes(store, world: int) -> list[set[int]]:
+    """The ranks of each node that said it moved here (`moved_here`)."""
+    keys = [MOVED_KEY.format(rank=r) for r in range(world)]
+    return [set(json.loads(store.get(key))) for key in keys if store.check([key])]
+
+
+def _settled(agent, store, world: int, arrived: set[int]) -> bool:
+    """Whether every node that moved here has its ranks at the recovery, and no other is on its way: all but one
+    of the group's nodes (the lost store's host) moved, or this one moved MOVE_SETTLE_S ago. Always, without a
+    move."""
+    if agent.move.adopted_at is None:
+        return True
+    moved = _moved_nodes(store, world)
+    if not set().union(*moved) <= arrived:
+        return False
+    nodes = len(agent.meeting.ranks) or agent.group()[2]
+    return len(moved) >= nodes - 1 or time.time() - agent.move.adopted_at >= MOVE_SETTLE_S
+
+
+def smaller_world(agent, generation: int, min_nodes: int, waited_s: float) -> tuple[list[int], str] | None:
+    """Every rank here waits for ranks of a lost node: send the survivors on in a smaller world of
+    `generation`, on every node at once. The first launcher to publish its world (the ranks that came to
+    the recovery, in order) sets it for all (trainer.recovery.regroup.publish_smaller_world); the others find
+    it published and take it. Renumbers the agent's group. Returns (the lost ranks, why not: '' when this node
+    goes on in that world), or None to be asked again, `waited_s` after the recovery began (less than
+    ARRIVAL_S): the ranks here have not all come to it yet, or, after a store move, those of the nodes that
+    moved too (`_settled`)."""
+    local, world = set(agent.global_ranks().values()), agent.world_size()
     store = coordination_store(os.environ[COORD_STORE_ENV], agent.run_id(), agent.round(), 30.0)
-    arrived = arrived_ranks(store, generation, world)
-    lost = sorted(set(range(world)) - set(arrived))
-    if set(arrived) != set(local.values()):
-        return lost, f"ranks {sorted(set(arrived) - set(local.values()))} of other nodes survive too"
-    if min_nodes > 1:
-        return lost, f"--nnodes needs {min_nodes} nodes at least; this one is left alone"
-    if agent.nodes_waiting():
-        return lost, "a node is waiting to join"
-    agent.renumber(publish_smaller_world(store, generation, arrived))
+    arrived = set(arrived_ranks(store, generation, world))
+    if not smaller_world_published(store, generation):
+        nodes = agent.meeting.nodes_of(arrived)
+        lost = sorted(set(range(world)) - arrived)
+        moved_short = agent.move.adopted_at is not None and min_nodes > (nodes or 1)  # the others may come yet
+        if not local <= arrived or not _settled(agent, store, world, arrived) or moved_short:
+            if waited_s < ARRIVAL_S:
+                return None
+            if not local <= arrived:
+                return lost, f"rank(s) {sorted(local - arrived)} here did not come to the recovery"
+        if min_nodes > (nodes or 1):
+            return lost, f"--nnodes needs {min_nodes} nodes at least; {nodes or 'fewer'} are left"
+        if agent.nodes_waiting():
+            return lost, "a node is waiting to join"
+    ranks = publish_smaller_world(store, generation, sorted(arrived))
+    lost = sorted(set(range(world)) - set(ranks))
+    if not local <= set(ranks):
+        return lost, "the other nodes went on without this node's ranks (they came to the recovery too late)"
+    agent.renumber(ranks)
     return lost, ""

@@ -27,6 +27,7 @@ from tests.helpers import (
     free_port,
     launch,
     launcher_beats,
+    node_beat,
     read_metrics,
     wait_for_event,
     wait_for_one_group,
@@ -192,6 +193,78 @@ def test_a_second_failure_during_a_cross_node_recovery_falls_back_to_a_full_rest
     assert failures[:2] == [(True, first, "in-process"), (True, second, "restart")], failures
     resumes = [e for e in events if e["event"] == "resume" and e["path"] == "restart"]
     assert len(resumes) == 2 and all(e["tier"].startswith("memory") for e in resumes), resumes
+    assert read_metrics(tmp_path)[40]["step"] == 40
+
+
+def test_a_node_lost_leaves_survivors_on_two_nodes_that_go_on_in_process_in_a_smaller_world(cache_dir, tmp_path):
+    """`--nnodes 2:3`: three launchers of one rank each over a loopback rendezvous (one machine, so one memory
+    directory holds every part). SIGKILL a launcher that does not host the store, with its rank (a lost node:
+    its connections close). The ranks of the two other nodes keep their processes: they agree on one smaller
+    world (the first launcher's to publish it stands), go on in process as ranks 0 and 1 of 2 from the 3-rank
+    memory snapshot resharded, and finish. Nobody meets at the rendezvous again."""
+    args = ["--nnodes=2:3", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-survive"]
+    overrides = ["train.steps=40", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
+                 "checkpoint.memory_every=1", "fault.straggler_factor=0"]
+    procs = [launch(tmp_path, overrides, nproc=1, extra_args=args) for _ in range(3)]
+    try:
+        wait_for_event(tmp_path, "rendezvous", count=3, launchers=procs)
+        wait_for_one_group(tmp_path, procs, 8)
+        victim = procs[(rendezvous_host(tmp_path, procs) + 1) % 3]
+        survivors = [p for p in procs if p is not victim]
+        before = {p.pid: node_beat(tmp_path, p.pid).pid for p in survivors}
+        kill_tree(victim.pid)
+        wait_for_event(tmp_path, "in_process_done", count=2, timeout=60, launchers=survivors)
+        after = {p.pid: node_beat(tmp_path, p.pid) for p in survivors}
+        outs = [finish(p, timeout=120) for p in survivors]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert [p.returncode for p in survivors] == [0, 0], [out[-3000:] for out in outs]
+    assert {launcher: b.pid for launcher, b in after.items()} == before, (before, after)
+    assert sorted(b.rank for b in after.values()) == [0, 1] and {b.generation for b in after.values()} == {1}, after
+    events = read_events(tmp_path)
+    assert not [e for e in events if e["event"] in ("restart", "in_process_fallback")], events
+    failures = [(e["cause"], e["path"]) for e in events if e["event"] == "failure"]
+    assert failures == [("node", "in-process")] * 2, failures
+    resumes = [e for e in events if e["event"] == "resume" and e.get("path") == "in-process"]
+    assert len(resumes) == 2 and all(e["tier"] == "memory-reshard" and e["lost_steps"] <= 2 for e in resumes), resumes
+    assert sum("going on in process as rank" in out and "of 2 (was rank" in out for out in outs) == 2, outs
+    assert read_metrics(tmp_path)[40]["step"] == 40
+
+
+def test_the_store_host_lost_the_survivors_keep_their_processes_and_move_down_the_list(cache_dir, tmp_path):
+    """`--nnodes 2:3 --rdzv-endpoint A,B`: three launchers of one rank each on loopback. SIGKILL the one hosting
+    A's store, with its rank. The two others move down to B (one of them hosts it), each agent adopting the
+    ranks it ran instead of starting new ones; the ranks follow the store there and go on in process as a
+    world of 2, keeping their pids, and finish."""
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    args = ["--nnodes=2:3", f"--rdzv-endpoint={first},{second}", "--rdzv-id=host-lost"]
+    overrides = ["train.steps=40", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
+                 "checkpoint.memory_every=1", "fault.straggler_factor=0"]
+    procs = [launch(tmp_path, overrides, nproc=1, extra_args=args) for _ in range(3)]
+    try:
+        wait_for_event(tmp_path, "rendezvous", count=3, launchers=procs)
+        wait_for_one_group(tmp_path, procs, 8)
+        host = procs[rendezvous_host(tmp_path, procs)]
+        survivors = [p for p in procs if p is not host]
+        before = {p.pid: node_beat(tmp_path, p.pid).pid for p in survivors}
+        kill_tree(host.pid)
+        wait_for_event(tmp_path, "in_process_done", count=2, timeout=60, launchers=survivors)
+        after = {p.pid: node_beat(tmp_path, p.pid) for p in survivors}
+        outs = [finish(p, timeout=120) for p in survivors]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert [p.returncode for p in survivors] == [0, 0], [out[-4000:] for out in outs]
+    assert {launcher: b.pid for launcher, b in after.items()} == before, (before, after)
+    assert sorted(b.rank for b in after.values()) == [0, 1], after
+    events = read_events(tmp_path)
+    moved = [(e["endpoint"], e["adopted"]) for e in events if e["event"] == "rendezvous" and e["index"] == 1]
+    assert moved == [(second, True)] * 2, moved
+    assert not [e for e in events if e["event"] in ("restart", "in_process_fallback")], events
+    done = [e["store"] for e in events if e["event"] == "in_process_done"]
+    assert done == [second] * 2, done
+    assert all("frame #" not in out for out in outs), outs
     assert read_metrics(tmp_path)[40]["step"] == 40
 
 

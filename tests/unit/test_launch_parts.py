@@ -223,11 +223,11 @@ def test_torchrun_spellings_are_accepted_and_its_other_options_refused_by_name(m
 def test_a_torn_error_file_of_a_killed_rank_is_dropped_and_a_whole_one_kept(tmp_path):
     """A rank SIGKILLed while writing its error file leaves it torn; torchelastic's ProcessFailure raises
     on it (JSONDecodeError), which ended the agent (exit 1) in a benchmark run."""
-    from launch.agent import _drop_torn_error_file
+    from launch.failures import drop_torn_error_file
 
     torn, whole = tmp_path / "torn.json", tmp_path / "whole.json"
     torn.write_text('{"message": {"message": "RuntimeError: Connection reset')
     whole.write_text('{"message": "ok"}')
     for path in (torn, whole, tmp_path / "missing.json"):
-        _drop_torn_error_file(str(path))
+        drop_torn_error_file(str(path))
     assert not torn.exists() and whole.exists()

@@ -1,4 +1,4 @@
-"""launch.agent's reading of torch's rendezvous state, on real c10d rendezvous handlers (one per node, in
+"""launch.rounds: the reading of torch's rendezvous state, on real c10d rendezvous handlers (one per node, in
 this process) around a real TCPStore on loopback: the round every node of a worker group agrees on (the
 ranks name their coordination store after it), and a node waiting to meet again told apart from a new
 one (one of the round's own nodes restarted the group: a failure, nothing to drain for; a new node: a
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import rendezvous
-from launch.agent import nodes_that_left, round_of
+from launch.rounds import nodes_that_left, round_of
 from tests.helpers import wait_for
 from trainer.runtime.protocol import COORD_STORE_ENV
 

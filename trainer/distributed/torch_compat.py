@@ -72,7 +72,7 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
 
 # torchelastic's LocalElasticAgent: what launch/agent.py overrides, calls or reads.
 ELASTIC_AGENT_METHODS = ("_start_workers", "_stop_workers", "_restart_workers", "_monitor_workers", "_shutdown",
-                         "_initialize_workers", "_rendezvous")
+                         "_invoke_run", "_initialize_workers", "_rendezvous")
 ELASTIC_AGENT_FIELDS = ("_pcontext", "_remaining_restarts", "_worker_group")
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from common.clock import wait_until
 from common.errors import exception_chain
-from common.timing import RELEASE_AFTER_S
+from common.timing import CONFIRM_S, MOVE_WAIT_S, RELEASE_AFTER_S
 from trainer.checkpoint import CheckpointError
 from trainer.distributed import torch_compat
 from trainer.observability import logs
@@ -51,8 +51,12 @@ def recover(run: Run, meters: Meters, progress: Progress,
     run.process.heartbeat.record.update(t_first=0.0, t_load=0.0, t_loaded=0.0)
     run.process.heartbeat.beat("recover", t_error=t_error, recovering=generation)
     cut = regroup.leave()
+    regroup.follow_move()  # the launcher moved the store already (its node lost without a word): the new one at once
     try:
         regroup.noticed(generation)
+        # At once, before the slower work below: a launcher that sends the survivors on in a smaller world
+        # counts the arrivals (launch.recovery.store), on every node.
+        regroup.announce(generation, "survivor")
     except dist.DistError:  # the launcher's store: answered below
         pass
     forget_the_step(run)
@@ -60,14 +64,7 @@ def recover(run: Run, meters: Meters, progress: Progress,
     close_meters(meters)
     run.process.preemption.restart_agreement()
     t_left = time.time()
-    try:
-        regroup.announce(generation, "survivor")
-        publish_setup(run, regroup, generation)
-        arrived = regroup.wait_for_all(generation, stop=lambda: run.process.preemption.received)
-    except dist.DistError as e:  # the launcher's store: its node is lost with the rendezvous
-        fault.stop_now(f"the launcher's store stopped answering during the in-process recovery of generation "
-                       f"{generation} ({type(e).__name__}: {str(e).splitlines()[0][:120]}): this rank cannot go on",
-                       protocol.EXIT_FAILED)
+    arrived = meet(run, regroup, generation)
     if arrived is None:  # SIGTERM: no group to agree on an emergency checkpoint with
         fault.stop_now(f"SIGTERM during the in-process recovery of generation {generation}: no emergency "
                        f"checkpoint (the groups are not formed); the newest memory snapshot stays for the "
@@ -97,6 +94,27 @@ def recover(run: Run, meters: Meters, progress: Progress,
              "restored in %.3fs", generation, run.info.world, replaced, progress.state.step, progress.resumed_tier,
              t_left - t_error, cut, t_joined - t_left, t_reformed - t_joined, t_restored - t_reformed)
     return run, progress, meters
+
+
+def meet(run: Run, regroup: Regroup, generation: int) -> dict[int, dict] | SmallerWorld | None:
+    """Say that this rank comes to `generation`, publish the setup, and wait for the others (or the smaller
+    world), on the launcher's store. When that store is lost with its node, the launcher moves it to the
+    next endpoint of its list and says so (trainer.runtime.protocol.write_store_moved): all of it once more
+    there. A store lost with nowhere to move ends this rank (its launcher restarts the group)."""
+    bound = run.cfg.fault.node_silence_s + CONFIRM_S + MOVE_WAIT_S  # the launcher's verdict, then the next store
+    for moved in (False, True):
+        try:
+            if moved:
+                regroup.noticed(generation)  # for the ranks on the new store
+            regroup.announce(generation, "survivor")
+            publish_setup(run, regroup, generation)
+            return regroup.wait_for_all(generation, stop=lambda: run.process.preemption.received)
+        except dist.DistError as e:  # the launcher's store: its node is lost with the rendezvous
+            if moved or not regroup.follow_move(bound):
+                fault.stop_now(f"the launcher's store stopped answering during the in-process recovery of generation "
+                               f"{generation} ({type(e).__name__}: {str(e).splitlines()[0][:120]}), and it did not "
+                               f"move within {bound:.0f}s: this rank cannot go on", protocol.EXIT_FAILED)
+    return None
 
 
 def release_elsewhere(error: BaseException, old_groups: list) -> None:

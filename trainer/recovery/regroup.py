@@ -38,11 +38,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common import net
 from common.clock import wait_until
-from common.timing import NOTICE_GRACE_S, POLL_S, STUCK_S, WATCH_S
+from common.timing import NOTICE_GRACE_S, POLL_S, STORE_PROBE_S, STUCK_S, WATCH_S, WATCH_STORE_S
 from trainer.recovery import keys
 from trainer.runtime import protocol
-from trainer.runtime.protocol import COORD_STORE_ENV, worker_group
+from trainer.runtime.protocol import COORD_STORE_ENV, HEARTBEAT_DIR_ENV, worker_group
 
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
@@ -61,10 +62,16 @@ class SmallerWorld:
 
 def publish_smaller_world(store: dist.Store, generation: int, survivors: list[int]) -> dict[int, int]:
     """The launcher's side: the ranks of `survivors` go on as ranks 0..n-1 (in their order) in
-    `generation`; returns old rank -> new rank."""
+    `generation`, unless another node's launcher published its world for `generation` first (one atomic
+    compare-and-set: the survivors on every node meet in the same world). Returns the world that stands,
+    old rank -> new rank."""
     ranks = {old: new for new, old in enumerate(sorted(survivors))}
-    store.set(keys.world_key(generation), json.dumps({"ranks": ranks}))
-    return ranks
+    stood = store.compare_set(keys.world_key(generation), "", json.dumps({"ranks": ranks}))
+    return _world(stood)
+
+
+def _world(value: bytes | str) -> dict[int, int]:
+    return {int(old): new for old, new in json.loads(value)["ranks"].items()}
 
 
 def smaller_world_published(store: dist.Store, generation: int) -> bool:
@@ -114,6 +121,26 @@ def _open_sockets() -> dict[str, int]:
     return found
 
 
+@dataclass(frozen=True)
+class StoreHome:
+    """Where the ranks' coordination store is: `where` (host:port), the job's rendezvous id, the name their
+    keys live under (`group`), and the launcher's heartbeat directory, where it says when the store moved
+    (its node was lost: trainer.runtime.protocol.read_store_moved)."""
+
+    where: str
+    run_id: str
+    group: str
+    directory: str = ""
+
+    def moved(self) -> tuple[str, str] | None:
+        """(store, group) the launcher moved the store to, when that is not here; None otherwise."""
+        return protocol.read_store_moved(self.directory, self.where, self.group) if self.directory else None
+
+    def listens(self) -> bool:
+        host, _, port = self.where.rpartition(":")
+        return net.listening(host.strip("[]"), int(port), STORE_PROBE_S)
+
+
 @dataclass
 class Regroup:
     """One rank's handle on in-process recovery (None of it applies at world size 1)."""
@@ -124,6 +151,7 @@ class Regroup:
     generation: int = 0
     timeout_s: float = 60.0
     skip_ports: set[int] = field(default_factory=set)  # store connections are not the groups'
+    home: StoreHome | None = None  # where `store` is (None: this rank cannot follow a move)
     _sockets: set[str] = field(default_factory=set)  # the current generation's group connections
     _recovering: bool = False  # this rank's own recovery (trainer.recovery.inplace) has begun
     _lock: threading.Lock = field(default_factory=threading.Lock)  # the watch thread's leave() against it
@@ -134,13 +162,28 @@ class Regroup:
         where = os.environ.get(COORD_STORE_ENV, "")
         if not where or world < 2:
             return None
-        run_id, group = os.environ.get(RUN_ID_ENV, ""), worker_group()
-        store = coordination_store(where, run_id, group, timeout_s)
+        home = StoreHome(where, os.environ.get(RUN_ID_ENV, ""), worker_group(), os.environ.get(HEARTBEAT_DIR_ENV, ""))
+        store = coordination_store(where, home.run_id, home.group, timeout_s)
         skip = {int(where.rpartition(":")[2]), int(os.environ.get("MASTER_PORT", "0") or 0)}
-        regroup = cls(store, rank, world, protocol.generation(), timeout_s, skip)
-        watch_store = coordination_store(where, run_id, group, timeout_s)  # a connection of the thread's own
+        regroup = cls(store, rank, world, protocol.generation(), timeout_s, skip, home)
+        watch_store = coordination_store(where, home.run_id, home.group, WATCH_STORE_S)  # the thread's own
         threading.Thread(target=regroup._watch, args=(watch_store,), name="regroup-watch", daemon=True).start()
         return regroup
+
+    # ------------------------------------------------------------------ the store moving
+    def follow_move(self, wait_s: float = 0.0) -> bool:
+        """Use the store the launcher moved to (the node hosting the old one was lost with it), waiting up to
+        `wait_s` for the launcher to say where; False when it said nothing."""
+        home = self.home
+        if home is None or not wait_until(lambda: home.moved() is not None, wait_s, POLL_S):
+            return False
+        where, group = home.moved()
+        self.store = coordination_store(where, home.run_id, group, self.timeout_s)
+        self.skip_ports.add(int(where.rpartition(":")[2]))
+        self.home = StoreHome(where, home.run_id, group, home.directory)
+        sys.stderr.write(f"[rekindle] rank {self.rank}: the coordination store moved to {where} (the node hosting "
+                         f"the previous one was lost)\n")
+        return True
 
     # ------------------------------------------------------------------ noticing a failure
     def noticed(self, generation: int) -> None:
@@ -150,12 +193,15 @@ class Regroup:
             self._recovering = True
         announce_failure(self.store, generation, by=str(self.rank))
 
-    def _watch(self, store: dist.Store) -> None:
-        """The watch thread: another rank noticed a failure and this rank, NOTICE_GRACE_S later, has not
-        (gloo fails only the operations of the connection that broke: a rank blocked in a receive from a
-        survivor can wait for the group's timeout): leave the generation here, once, which fails that
-        receive. Still not recovering STUCK_S later: end this rank (exit 1) for its launcher to restart."""
+    def _watch(self, store: dist.Store | None) -> None:
+        """The watch thread: another rank noticed a failure, or the launcher said the store moved (its node was
+        lost, maybe without a word: no collective fails then), and this rank, NOTICE_GRACE_S later, has not
+        noticed (gloo fails only the operations of the connection that broke: a rank blocked in a receive from
+        a survivor can wait for the group's timeout): leave the generation here, once, which fails that
+        receive. Still not recovering STUCK_S later: end this rank (exit 1) for its launcher to restart. Its
+        store connection is its own, with a short timeout, made again only to a store that listens."""
         left: tuple[int, float] | None = None  # (the generation left for, when)
+        at = self.home
         while True:
             time.sleep(WATCH_S)
             generation = self.generation + 1
@@ -167,18 +213,28 @@ class Regroup:
                              f"collective still has not failed (blocked where no error reaches it): ending this "
                              f"rank, for its launcher to start it again", 1)
                 continue
-            try:
-                if not store.check([keys.failed_key(generation)]):
+            home = self.home
+            if home is not None and home.moved() is not None:
+                why = f"the coordination store moved (its node was lost) during generation {generation - 1}"
+            else:
+                if store is None or at != home:
+                    if home is None or not home.listens():
+                        continue
+                    store, at = coordination_store(home.where, home.run_id, home.group, WATCH_STORE_S), home
+                try:
+                    if not store.check([keys.failed_key(generation)]):
+                        continue
+                except dist.DistError:  # the store is gone, or slow: asked again once it listens
+                    store = None
                     continue
-            except dist.DistError:  # the launcher's store is gone: the launcher ends this rank
-                return
+                why = f"another rank noticed the failure of generation {generation - 1}"
             time.sleep(NOTICE_GRACE_S)
             with self._lock:
                 if not self._recovering and self.generation + 1 == generation:
                     cut = self.leave()
                     left = (generation, time.monotonic())
-                    sys.stderr.write(f"[rekindle] rank {self.rank}: another rank noticed the failure of generation "
-                                     f"{generation - 1} and this one had not: left it ({cut} connection(s) shut)\n")
+                    sys.stderr.write(f"[rekindle] rank {self.rank}: {why}, and this one had not noticed: left it "
+                                     f"({cut} connection(s) shut)\n")
 
     # ------------------------------------------------------------------ the groups' connections
     @contextmanager
@@ -245,7 +301,7 @@ class Regroup:
             return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(arrivals))}
         if stop():
             return None
-        ranks = {int(old): new for old, new in json.loads(self.store.get(world_key))["ranks"].items()}
+        ranks = _world(self.store.get(world_key))
         if self.rank not in ranks:
             raise RejoinFailed(f"in-process recovery: rank {self.rank} is not in the smaller world {ranks}")
         return SmallerWorld(ranks[self.rank], len(ranks))

@@ -266,6 +266,37 @@ class Heartbeat:
             self._fd = None
 
 
+STORE_FILE = "store.json"  # in the heartbeat directory: where the ranks' coordination store moved
+
+
+def write_store_moved(directory: str | Path, old: tuple[str, str], new: tuple[str, str]) -> None:
+    """The launcher's side: the ranks' coordination store at `old` (host:port, and the name their keys live
+    under) is now at `new` (the previous endpoint's store was lost with its node; trainer.recovery.regroup
+    follows). A rank of another store ignores it."""
+    from common.storage import atomic_file
+
+    said = {"from": list(old), "store": new[0], "group": new[1]}
+    with atomic_file(str(Path(directory) / STORE_FILE)) as f:
+        f.write(json.dumps(said).encode())
+
+
+def forget_store_moves(directory: str | Path) -> None:
+    """A new worker group starts: the ranks' store is where their environment says."""
+    (Path(directory) / STORE_FILE).unlink(missing_ok=True)
+
+
+def read_store_moved(directory: str | Path, where: str, group: str) -> tuple[str, str] | None:
+    """(store, group) the launcher said the ranks' coordination store at (`where`, `group`) moved to; None when
+    it did not move."""
+    try:
+        said = json.loads((Path(directory) / STORE_FILE).read_bytes())
+        if [str(x) for x in said["from"]] != [where, group]:
+            return None
+        return str(said["store"]), str(said["group"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_heartbeats(directory: str | Path) -> dict[int, HeartbeatRecord]:
     """Every readable heartbeat record in a directory, by rank (a torn or empty file is skipped; missing keys
     keep their defaults, unknown ones are ignored: `HeartbeatRecord.from_json`)."""

@@ -1,0 +1,87 @@
+"""What the launcher reads of torch's private c10d rendezvous state (`handler._state_holder.state`): the
+round just met and its nodes (`round_of`), which global ranks each node holds (`ranks_by_node`), and which
+nodes of a round came back to meet again (`nodes_that_left`); and the keep-alive of a lost store's
+rendezvous, stopped (`stop_keep_alive`). With launch.agent, the only code that
+touches torchelastic's internals: when a torch release moves them, each reader falls back to what it can
+still say."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Round:
+    """The rendezvous round the running worker group met in: its name, the same on every node (the ranks name
+    their coordination store's keys after it), its nodes, and which global ranks each node holds ({}: not
+    known, `ranks_by_node`)."""
+
+    name: str = ""
+    nodes: frozenset = frozenset()
+    ranks: dict = field(default_factory=dict)
+
+    @classmethod
+    def met(cls, handler, group, world: int, per_node: int) -> Round:
+        name, nodes = round_of(handler, group)
+        return cls(name, nodes, ranks_by_node(handler, world, per_node))
+
+    def nodes_of(self, ranks: Iterable[int]) -> int | None:
+        """How many nodes hold a rank of `ranks` (None when not known)."""
+        ranks = set(ranks)
+        return sum(1 for held in self.ranks.values() if held & ranks) if self.ranks else None
+
+    def renumbered(self, ranks: dict[int, int], this_node) -> Round:
+        """The round once its group went on in a smaller world (old global rank -> new): the nodes that hold no
+        rank any more are no longer of it (this one only, when which ranks each node holds is not known)."""
+        kept = {node: frozenset(ranks[r] for r in held if r in ranks) for node, held in self.ranks.items()}
+        kept = {node: held for node, held in kept.items() if held}
+        return Round(self.name, (frozenset(kept) | {this_node}) & self.nodes, kept)
+
+    def moved(self, name: str) -> Round:
+        """The same group under another name (its keys on the store the job moved to)."""
+        return Round(name, self.nodes, self.ranks)
+
+
+def round_of(handler, group) -> tuple[str, frozenset]:
+    """(name, nodes) of the rendezvous round just met, from torch's private rendezvous state; when torch
+    moved it, the group's store address (a fresh port each round: the launcher turns torch's sharing of
+    the rendezvous store off) and no nodes."""
+    try:
+        state = handler._state_holder.state
+        return f"r{state.round}", frozenset(state.participants)
+    except AttributeError:
+        return f"{group.master_addr}:{group.master_port}", frozenset()
+
+
+def ranks_by_node(handler, world: int, per_node: int) -> dict:
+    """The nodes of the round just met -> their global ranks, from torch's private rendezvous state: a node
+    of group rank g holds ranks g*n..g*n+n-1 when every node runs n ranks (torchelastic numbers them so);
+    {} when the nodes run different numbers of ranks, or torch moved its state."""
+    try:
+        participants = handler._state_holder.state.participants
+    except AttributeError:
+        return {}
+    if per_node * len(participants) != world:
+        return {}
+    return {node: frozenset(range(g * per_node, (g + 1) * per_node)) for node, g in participants.items()}
+
+
+def nodes_that_left(handler, round_nodes: frozenset) -> list[str]:
+    """Nodes of a round (`round_nodes`, from `round_of`) now waiting to meet again: their launcher restarted
+    the group. From torch's private rendezvous state as the handler's last sync left it (`num_nodes_waiting`
+    syncs); [] when torch moved it."""
+    try:
+        state = handler._state_holder.state
+        left = (set(state.wait_list) | set(state.redundancy_list)) & round_nodes
+    except AttributeError:
+        return []
+    return sorted(f"{node.addr}:{node.pid}" for node in left)
+
+
+def stop_keep_alive(handler) -> None:
+    """Stop the keep-alive thread of a rendezvous whose store was lost (it would warn every second for the rest
+    of the run that the store does not answer); nothing when torch moved it."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if stop is not None:
+        stop()
