@@ -117,7 +117,8 @@ def _ask(s: Supervisor, a: CheckHangs | PublishSmallerWorld) -> list[Action]:
         return s.coordinator.handle(HangFound(failure=failure, pid=hang.pid, gone=hang.state == "gone", beats=a.beats,
                                               now=a.now))
     kept = dict(enumerate(sorted(b.pid for b in a.beats.values())))  # by pid (the ranks here may be renumbered)
-    answer = store.smaller_world(s.agent, a.generation, s.opts.min_nodes, waited_s=time.time() - a.noticed)
+    answer = store.smaller_world(s.agent, a.generation, s.opts.min_nodes, waited_s=time.time() - a.noticed,
+                                 last_endpoint=s.members.last_endpoint)
     if answer is None:  # the ranks here are on their way: asked again at the next look
         return []
     lost, why = answer

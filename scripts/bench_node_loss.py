@@ -1,7 +1,7 @@
-"""A lost node, five ways, and a lost rank of a multi-node job, three ways, side by side in one run: the
+"""A lost node, six ways, and a lost rank of a multi-node job, three ways, side by side in one run: the
 loss -> the first resumed step.
 
-    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,host,silent]
+    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,host,host-restart,silent]
                                       [--nodes 2,3,4] [--config configs/smoke.yaml] [key=value ...]
     python scripts/bench_node_loss.py --modes rank,rank-restart,rank-1node --nodes 2,3,4 \
         train.global_batch=12 train.micro_batch=1     # a global batch every node count divides
@@ -17,7 +17,9 @@ modes:
   waiting warm); after the survivor goes on alone, the spare joins at the next rendezvous and the world is
   whole again: also timed, lost node -> first step of the whole world;
 - `host`: the lost node is the one hosting the rendezvous store (the other one otherwise), with
-  `--rdzv-endpoint A,B`: the survivor moves to B and its group restarts there;
+  `--rdzv-endpoint A,B`: the survivor moves to B, its launcher adopts its running rank, which follows the
+  store there and goes on in process;
+- `host-restart`: as host, with `fault.in_process=false`: the survivor's group restarts at B;
 - `silent`: as inproc, but the node is SIGSTOPped instead (lost without a word, as a node whose power or
   link is gone: its connections stay open, so no collective of the survivor fails); the survivor's
   launcher finds it silent after fault.node_silence_s (pass `fault.node_silence_s=S` to try another
@@ -55,7 +57,8 @@ from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"],
-         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"], "silent": ["fault.in_process=true"],
+         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"],
+         "host-restart": ["fault.in_process=false"], "silent": ["fault.in_process=true"],
          "rank": ["fault.in_process=true"], "rank-restart": ["fault.in_process=false"],
          "rank-1node": ["fault.in_process=true"]}
 RANK_MODES = ("rank", "rank-restart", "rank-1node")
@@ -109,7 +112,7 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
     """Two launchers (and a spare), one lost once both train; the survivor's resume event, with
     `kill_to_step_s` (and for a spare `kill_to_whole_s`: until the world of two trains again)."""
     run_dir = out / label
-    endpoint = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2 if mode == "host" else 1))
+    endpoint = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2 if mode.startswith("host") else 1))
     procs = {}
 
     def start(node: str) -> None:
@@ -132,7 +135,7 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
                        args.timeout)
             time.sleep(1.0)  # in the rendezvous's redundancy list
         host = "ab"[rendezvous_host(run_dir, [procs["a"], procs["b"]])]  # the first to bind, not always a
-        lost = host if mode == "host" else "ab".replace(host, "")
+        lost = host if mode.startswith("host") else "ab".replace(host, "")
         killed = time.time()
         (freeze_tree if mode == "silent" else kill_tree)(procs[lost].pid)
         shutil.rmtree(out / f"{label}-shm-{lost}", ignore_errors=True)
@@ -228,6 +231,8 @@ def main() -> int:
               f"{statistics.median(whole):.2f}s ({', '.join(f'{w:.2f}s' for w in whole)})")
     if {"inproc", "restart"} <= set(medians):
         print(f"inproc / restart: {medians['inproc'] / medians['restart']:.2f}")
+    if {"host", "host-restart"} <= set(medians):
+        print(f"host, in process / restart: {medians['host'] / medians['host-restart']:.2f}")
     for n in args.nodes:
         rank, restart, one = (medians.get(f"{m}-{n}n") for m in RANK_MODES)
         if rank and one:

@@ -129,7 +129,7 @@ def adopt_config(run: Run, state: TrainState) -> None:
 
 def load_resharded(run: Run, progress: Progress, world: int, step: int, durable: int | None) -> None:
     """Restore this rank's rows of the `world`-rank memory snapshot `step` (same run and config, another
-    world size: every part of it on this rank's node), as a durable checkpoint of another world reshards."""
+    world size: its parts on the ranks' nodes), as a durable checkpoint of another world reshards."""
     state = run.memory.load_resharded(world, step, run.model, run.optimizer)
     progress.state, progress.resumed_tier = state, "memory-reshard"
     progress.restored_records = [RecordDraft.from_json(d) for d in run.memory.restoring.extra.get("records", [])]

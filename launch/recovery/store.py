@@ -15,6 +15,7 @@ from typing import Any
 
 from common.net import listening
 from common.timing import ARRIVAL_S, MOVE_SETTLE_S, STORE_ASK_S, STORE_PROBE_S
+from launch.liveness import goes_on
 from trainer.contract import (
     COORD_STORE_ENV,
     announce_failure,
@@ -124,14 +125,27 @@ def _settled(agent, store, world: int, arrived: set[int]) -> bool:
     return len(moved) >= nodes - 1 or time.time() - agent.move.adopted_at >= MOVE_SETTLE_S
 
 
-def smaller_world(agent, generation: int, min_nodes: int, waited_s: float) -> tuple[list[int], str] | None:
+def _outvoted(agent, store, world: int, last_endpoint: bool) -> str:
+    """After a store move, why the nodes that moved here must not go on alone ('' when they may): they are not
+    a majority of the group (exactly half at the last endpoint), so the others may be training elsewhere (a
+    partition that cut these nodes off from the store, not its host's loss). Without a move, ''."""
+    if agent.move.adopted_at is None:
+        return ""
+    moved, nodes = len(_moved_nodes(store, world)), len(agent.meeting.ranks) or agent.group()[2]
+    if goes_on(moved, nodes, last_endpoint):
+        return ""
+    return f"only {moved} of the group's {nodes} node(s) moved to this store: not a majority (a partition?)"
+
+
+def smaller_world(agent, generation: int, min_nodes: int, waited_s: float,
+                  last_endpoint: bool = True) -> tuple[list[int], str] | None:
     """Every rank here waits for ranks of a lost node: send the survivors on in a smaller world of
     `generation`, on every node at once. The first launcher to publish its world (the ranks that came to
     the recovery, in order) sets it for all (trainer.recovery.regroup.publish_smaller_world); the others find
     it published and take it. Renumbers the agent's group. Returns (the lost ranks, why not: '' when this node
     goes on in that world), or None to be asked again, `waited_s` after the recovery began (less than
     ARRIVAL_S): the ranks here have not all come to it yet, or, after a store move, those of the nodes that
-    moved too (`_settled`)."""
+    moved too (`_settled`). After a move the nodes that moved go on only as a majority (`_outvoted`)."""
     local, world = set(agent.global_ranks().values()), agent.world_size()
     store = coordination_store(os.environ[COORD_STORE_ENV], agent.run_id(), agent.round(), 30.0)
     arrived = set(arrived_ranks(store, generation, world))
@@ -146,6 +160,8 @@ def smaller_world(agent, generation: int, min_nodes: int, waited_s: float) -> tu
                 return lost, f"rank(s) {sorted(local - arrived)} here did not come to the recovery"
         if min_nodes > (nodes or 1):
             return lost, f"--nnodes needs {min_nodes} nodes at least; {nodes or 'fewer'} are left"
+        if outvoted := _outvoted(agent, store, world, last_endpoint):
+            return lost, outvoted
         if agent.nodes_waiting():
             return lost, "a node is waiting to join"
     ranks = publish_smaller_world(store, generation, sorted(arrived))

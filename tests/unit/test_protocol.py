@@ -141,3 +141,18 @@ def test_survivors_renumbered_in_a_smaller_world_each_keep_one_file_under_their_
         assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"], order
         beats[2].beat("train", step=20)  # still writing where it should
         assert read_heartbeats(tmp_path)[0].step == 20 and read_heartbeats(tmp_path)[1].step == 13
+
+
+def test_a_store_move_is_followed_only_by_ranks_of_the_store_it_left_and_forgotten_by_a_new_group(tmp_path):
+    from trainer.runtime.protocol import forget_store_moves, read_store_moved, write_store_moved
+
+    assert read_store_moved(tmp_path, "10.0.0.1:29400", "r3") is None  # it never moved
+    write_store_moved(tmp_path, ("10.0.0.1:29400", "r3"), ("10.0.0.2:29401", "r3@1"))
+    assert read_store_moved(tmp_path, "10.0.0.1:29400", "r3") == ("10.0.0.2:29401", "r3@1")
+    assert read_store_moved(tmp_path, "10.0.0.1:29400", "r4") is None  # another group's ranks
+    assert read_store_moved(tmp_path, "10.0.0.2:29401", "r3@1") is None  # there already
+    (tmp_path / "store.json").write_text("{torn")
+    assert read_store_moved(tmp_path, "10.0.0.1:29400", "r3") is None
+    forget_store_moves(tmp_path)
+    forget_store_moves(tmp_path)  # nothing to forget: no error
+    assert not (tmp_path / "store.json").exists()

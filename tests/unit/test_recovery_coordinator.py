@@ -75,6 +75,14 @@ def tick(now: float, handled: bool = False, silence: Silence | None = None, loca
     return Tick(now, beats(**phases), 5, local, handled=lambda generation: handled, silence=silence, can_tell=True)
 
 
+def gone_on(now: float) -> Tick:
+    """The ranks here (0-2) went on into generation 1 already: in the smaller world another node's launcher
+    published, read before this launcher looked."""
+    moved = {r: dataclasses.replace(b, generation=1, recovery=RecoveryTimes(recovering=1, t_error=T0))
+             for r, b in beats().items()}
+    return Tick(now, moved, 5, (0, 1, 2), can_tell=True)
+
+
 def hang(gone: bool = False, now: float = T0) -> HangFound:
     return HangFound(Failure(1, "hang", 5, message="rank 1 hung", key="rank 1 stopped train"), 101, gone, beats(), now)
 
@@ -163,6 +171,8 @@ ROWS = [
     ("...the same generation seen again: followed once", NODES, 3, [recovering(), settled()], recovering(), [], Idle),
     ("every rank here waits for ranks of a silent node: publish a smaller world", SMALLER, 3, [],
      tick(T0 + NODE_LOST_S + 0.01, r0="recover", r1="recover", r2="recover"), [PublishSmallerWorld], Idle),
+    ("...or went on already in the world another node's launcher published: taken here too", SMALLER, 3, [],
+     gone_on(T0 + NODE_LOST_S + 0.01), [PublishSmallerWorld], Idle),
     ("...not yet when their launcher said it handles them", SMALLER, 3, [],
      tick(T0 + NODE_LOST_S + 0.01, handled=True, r0="recover", r1="recover", r2="recover"), [CheckHangs], Idle),
     ("...until NODE_HANDLED_S", SMALLER, 3, [],

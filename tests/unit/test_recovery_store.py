@@ -1,6 +1,7 @@
 """The launcher's side of the ranks' coordination store (launch.recovery.store), on a real TCP store: hearing
 that another launcher handles its ranks' failure, and telling the ranks, with no connection tried where
-nothing listens (one would print torch's C++ frames and wait seconds)."""
+nothing listens (one would print torch's C++ frames and wait seconds); survivors on several nodes agreeing
+on one smaller world, before and after a store move."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from datetime import timedelta
 import pytest
 
 from common.clock import wait_until
+from common.timing import ARRIVAL_S, MOVE_SETTLE_S
+from launch.agent import Move
 from launch.liveness import Liveness
-from launch.recovery.store import StoreQuestions, announce
+from launch.recovery.store import StoreQuestions, announce, moved_here, smaller_world
+from launch.rounds import Round
 from tests.fixtures import free_port
 from trainer.contract import (
     COORD_STORE_ENV,
     announce_failure,
+    arrived_key,
     coordination_store,
     failure_handled,
     publish_smaller_world,
@@ -102,3 +107,89 @@ def test_a_store_gone_after_its_connection_was_made_is_not_called_again(monkeypa
         assert "frame #" not in capfd.readouterr().err
     finally:
         liveness.stop()
+
+
+class Node:
+    """A node's agent as `smaller_world` asks it: its global ranks in a group of `nodes` nodes of two ranks each,
+    its rendezvous round's view of which node holds which ranks, and whether it adopted its ranks at a store the
+    job moved to (`moved`: when)."""
+
+    def __init__(self, index: int, nodes: int, moved: float | None = None) -> None:
+        self.ranks = {0: 2 * index, 1: 2 * index + 1}
+        self.meeting = Round("r1", frozenset(range(nodes)), {n: frozenset({2 * n, 2 * n + 1}) for n in range(nodes)})
+        self.move = Move(adopted_at=moved)
+        self.nodes, self.renumbered = nodes, None
+
+    def global_ranks(self) -> dict[int, int]:
+        return self.ranks
+
+    def world_size(self) -> int:
+        return 2 * self.nodes
+
+    def round(self) -> str:
+        return "r1"
+
+    def run_id(self) -> str:
+        return "job"
+
+    def group(self) -> tuple[str, int, int]:
+        return "r1", self.ranks[0] // 2, self.nodes
+
+    def nodes_waiting(self) -> int:
+        return 0
+
+    def renumber(self, ranks: dict[int, int]) -> None:
+        self.renumbered = ranks
+
+
+def test_survivors_on_two_nodes_go_on_in_one_smaller_world_once_the_ranks_here_came(store_at):
+    """Three nodes of two ranks, node 0 lost: node 1's launcher waits for its own ranks (None: asked again),
+    then publishes the world of the ranks that came; node 2's takes that world, even when it would have
+    counted otherwise; a node whose ranks are not in it is told why."""
+    store = coordination_store(store_at, "job", "r1", 5.0)
+    b, c = Node(1, 3), Node(2, 3)
+    for rank in (2, 4, 5):
+        store.set(arrived_key(1, rank), "{}")
+    assert smaller_world(b, 1, 2, waited_s=0.1) is None  # rank 3 here is on its way
+    assert smaller_world(b, 1, 2, waited_s=ARRIVAL_S) == ([0, 1, 3], "rank(s) [3] here did not come to the recovery")
+    store.set(arrived_key(1, 3), "{}")
+    assert smaller_world(b, 1, 2, waited_s=0.2) == ([0, 1], "")
+    assert b.renumbered == {2: 0, 3: 1, 4: 2, 5: 3}
+    store.set(arrived_key(1, 1), "{}")  # a late survivor of node 0: the world stands as published
+    assert smaller_world(c, 1, 2, waited_s=0.2) == ([0, 1], "") and c.renumbered == b.renumbered
+    late = Node(0, 3)
+    assert smaller_world(late, 1, 1, waited_s=0.2)[1].startswith("the other nodes went on without this node")
+
+
+def test_after_a_store_move_the_smaller_world_waits_for_the_nodes_that_moved(store_at):
+    """Node 0 hosted the lost store; nodes 1 and 2 moved here. Node 1's launcher does not publish before node
+    2's ranks came (its node said it moved), nor, with a node of four still unheard of, before MOVE_SETTLE_S."""
+    store = coordination_store(store_at, "job", "r1", 5.0)
+    b, c = Node(1, 3, moved=time.time()), Node(2, 3, moved=time.time())
+    moved_here(b)
+    moved_here(c)
+    for rank in (2, 3, 4):
+        store.set(arrived_key(1, rank), "{}")
+    assert smaller_world(b, 1, 1, waited_s=0.5) is None  # rank 5 of node 2 is on its way
+    store.set(arrived_key(1, 5), "{}")
+    assert smaller_world(b, 1, 1, waited_s=0.5) == ([0, 1], "")  # every node but the lost host is here
+
+
+def test_after_a_store_move_a_node_alone_waits_for_the_others_before_going_on(store_at):
+    """A group of four, node 1 alone at the store moved to so far: the others may be on their way, so its
+    launcher waits MOVE_SETTLE_S after its move; then, one of four, it does not go on (the others may be
+    training at the old store: a partition). Two of four may at the last endpoint of the list."""
+    store = coordination_store(store_at, "job", "r1", 5.0)
+    b = Node(1, 4, moved=time.time())
+    moved_here(b)
+    for rank in (2, 3):
+        store.set(arrived_key(1, rank), "{}")
+    assert smaller_world(b, 1, 1, waited_s=0.5) is None
+    b.move = Move(adopted_at=time.time() - MOVE_SETTLE_S)
+    assert smaller_world(b, 1, 1, waited_s=0.5, last_endpoint=False)[1] == (
+        "only 1 of the group's 4 node(s) moved to this store: not a majority (a partition?)")
+    c = Node(2, 4, moved=time.time() - MOVE_SETTLE_S)
+    moved_here(c)
+    for rank in (2, 3, 4, 5):
+        store.set(arrived_key(2, rank), "{}")
+    assert smaller_world(c, 2, 1, waited_s=0.5, last_endpoint=True) == ([0, 1, 6, 7], "")  # half, at the last

@@ -51,3 +51,14 @@ def test_a_node_of_the_round_meeting_again_is_a_failure_there_and_a_new_node_a_m
         finally:
             for h in (c, b, a):
                 h.shutdown()
+
+
+def test_a_round_renumbered_for_a_smaller_world_keeps_only_the_nodes_that_hold_ranks():
+    from launch.rounds import Round
+
+    met = Round("r2", frozenset("abc"), {"a": frozenset({0, 1}), "b": frozenset({2, 3}), "c": frozenset({4, 5})})
+    assert met.nodes_of([1, 4]) == 2 and Round().nodes_of([0]) is None
+    smaller = met.renumbered({2: 0, 3: 1, 4: 2, 5: 3}, this_node="b")  # node a lost
+    assert smaller.nodes == frozenset("bc") and smaller.ranks == {"b": frozenset({0, 1}), "c": frozenset({2, 3})}
+    assert Round("r2", frozenset("ab")).renumbered({0: 0}, this_node="a").nodes == frozenset("a")  # unknown: this one
+    assert met.moved("r2@1").name == "r2@1" and met.moved("r2@1").ranks == met.ranks

@@ -36,8 +36,9 @@ it at restore (`plan`, one all_gather); nothing is collective while training but
 rank loads its own part from its node's memory when it is there (memory-local), else the rank holding it
 sends it (memory-peer: a lost node, or ranks that moved between nodes). Parts of two steps are never
 mixed: every rank loads the same step. A world of another size (a lost node under `--nnodes MIN:MAX`,
-another `--nproc-per-node`) loads the newest step of which every rank's node holds every part, each rank
-reading its rows of each tensor (memory-reshard; trainer.checkpoint.memory_reshard). Another run (a new
+another `--nproc-per-node`) loads the newest step of which the ranks' nodes hold every part between them
+(a part a node lacks is sent by a rank whose node holds it), each rank reading its rows of each tensor
+(memory-reshard; trainer.checkpoint.memory_reshard). Another run (a new
 run id, kept in run.dir) or another config never loads them. The run's directory (with `owner.json`, its
 run.dir) is made at the first part written and removed when the run ends; a launcher's start removes
 those of other runs whose run.dir is gone or that are older than checkpoint.memory_max_age_h
@@ -333,26 +334,22 @@ class MemoryTier:
 
     def plan_reshard(self) -> tuple[int, int] | None:
         """Collective, after a `scan` and a `plan` that found nothing of this world: (world, step) of the
-        newest snapshot of another world size of which every rank's node holds every part (a lost node's
-        parts as peer copies), or None."""
-        complete = sorted((step, world) for (world, step), parts in self.restoring.elsewhere.items()
-                          if set(parts) == set(range(world)))
-        everyone = [complete]
-        if self.ranks.world > 1:
-            everyone = [None] * self.ranks.world
-            dist.all_gather_object(everyone, complete)
-        common = set.intersection(*(set(map(tuple, keys)) for keys in everyone))
-        if not common:
-            return None
-        step, world = max(common)
-        return world, step
+        newest snapshot of another world size of which the ranks' nodes hold every part between them (a lost
+        node's parts as peer copies), or None."""
+        return memory_peers.reshard_plan(self.restoring.elsewhere, self.ranks.world)
 
     def load_resharded(self, world: int, step: int, model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer) -> TrainState:
-        """Collective: restore this rank's rows of the `world`-rank snapshot of `step` from this node's
-        parts of it (trainer.checkpoint.memory_reshard); returns its train state (of the old world)."""
-        parts, rank = self.restoring.elsewhere[(world, step)], self.ranks.rank
-        state = memory_reshard.restore(parts, model, optimizer, rank, self.ranks.world)
+        """Collective: restore this rank's rows of the `world`-rank snapshot of `step` from its parts, those this
+        node lacks sent by a rank whose node holds them (trainer.checkpoint.memory_reshard); returns its train
+        state (of the old world)."""
+        rank, into = self.ranks.rank, self.dir / f"reshard-{world}-{step}-rank{self.ranks.rank}"
+        parts = self.restoring.elsewhere.get((world, step), {})
+        parts = memory_peers.share_parts(rank, self.ranks.world, world, parts, into)
+        try:
+            state = memory_reshard.restore(parts, model, optimizer, rank, self.ranks.world)
+        finally:
+            shutil.rmtree(into, ignore_errors=True)
         self.restoring.extra = {"records": parts[rank % world][1].get("records", [])}
         return state
 

@@ -1,6 +1,8 @@
 """What the memory tier's ranks exchange (trainer.checkpoint.memory describes the tier): the peer copies
 sent to the buddy on the next node after each snapshot, and at restore the plan every rank agrees on
-and the parts sent to the ranks that do not hold their own. Collective: every rank calls these."""
+and the parts sent to the ranks that do not hold their own; for a snapshot of another world size (a
+smaller world after a lost node), the newest that the nodes hold between them (`reshard_plan`) and the
+parts sent to the ranks whose node lacks them (`share_parts`). Collective: every rank calls these."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.memory_slots import Found, head_of, keep_part, read_part
+from trainer.checkpoint.memory_slots import Elsewhere, Found, head_of, keep_part, read_part
 
 
 def exchange(own: tuple[Path, Path] | None, peer: tuple[Path, Path], buddy: int, source: int, group: Any) -> None:
@@ -84,3 +86,43 @@ def send_recv(payload: tuple[bytes, bytes], to: int | None, source: int | None, 
         return b"", b""
     raw = received.numpy().tobytes()
     return raw[:int(sizes[0])], raw[int(sizes[0]):]
+
+
+def reshard_plan(elsewhere: Elsewhere, world: int) -> tuple[int, int] | None:
+    """(old world, step) of the newest snapshot of another world size of which every part is held on some
+    rank's node (`elsewhere`: this node's parts by (world, step)), or None."""
+    mine = sorted((w, s, sorted(parts)) for (w, s), parts in elsewhere.items())
+    everyone: list[Any] = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    held: dict[tuple[int, int], set[int]] = {}
+    for keys in everyone:
+        for w, s, parts in keys:
+            held.setdefault((w, s), set()).update(parts)
+    complete = [(s, w) for (w, s), parts in held.items() if parts == set(range(w))]
+    if not complete:
+        return None
+    step, old_world = max(complete)
+    return old_world, step
+
+
+def share_parts(rank: int, world: int, old_world: int, parts: dict, into: Path) -> dict:
+    """Every part of the `old_world`-rank snapshot that a rank's node lacks (its peers' nodes hold it: the
+    survivors of a lost node on several nodes) is sent to that rank by the lowest rank that holds it, and
+    kept in `into`. Returns this rank's parts ({old rank: (bin, header)}), now every one of them."""
+    everyone: list[Any] = [sorted(parts)]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, sorted(parts))
+    parts = dict(parts)
+    for part in range(old_world):
+        giver = next(r for r, held in enumerate(everyone) if part in held)
+        for taker in (r for r, held in enumerate(everyone) if part not in held):
+            if rank == giver:
+                send_recv(read_part(parts[part][0], head_of(parts[part][0])), taker, None, None)
+            elif rank == taker:
+                into.mkdir(parents=True, exist_ok=True)
+                binary = into / f"part-{part}.bin"
+                parts[part] = (binary, keep_part(binary, head_of(binary), *send_recv((b"", b""), None, giver, None)))
+    return parts

@@ -1,6 +1,7 @@
 """A memory snapshot of another world size, put back in this world (trainer.checkpoint.memory describes
-the tier): a lost node under `--nnodes MIN:MAX` leaves a smaller world whose node holds every part of the
-larger one (its own parts and the peer copies of the lost node's), and a run started again with another
+the tier): a lost node under `--nnodes MIN:MAX` leaves a smaller world whose nodes hold every part of the
+larger one between them (their own parts and the peer copies of the lost node's; a part a rank's node lacks
+is sent to it first, trainer.checkpoint.memory_peers.share_parts), and a run started again with another
 `--nproc-per-node` finds its old parts on its node. Each rank then reads from those files, not from the
 durable checkpoint, the rows of each tensor it holds now.
 
