@@ -7,6 +7,7 @@ still say."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -81,7 +82,8 @@ def nodes_that_left(handler, round_nodes: frozenset) -> list[str]:
 
 def stop_keep_alive(handler) -> None:
     """Stop the keep-alive thread of a rendezvous whose store was lost (it would warn every second for the rest
-    of the run that the store does not answer); nothing when torch moved it."""
+    of the run that the store does not answer); nothing when torch moved it. On a thread of its own: torch
+    joins the keep-alive thread, which may be blocked in a call to a store that no longer answers."""
     stop = getattr(handler, "_stop_heartbeats", None)
     if stop is not None:
-        stop()
+        threading.Thread(target=stop, name="stop-keep-alive", daemon=True).start()
