@@ -12,9 +12,10 @@ What it changes in torchrun's behaviour:
   that restarted it (a failure there): then it is a failure here too, restarted at once;
 - the ranks are told the group's rendezvous round (`ROUND_ENV`), the same on every node: their
   coordination store's prefix (a node's restart count is not the same everywhere);
-- between worker groups a signal to the launcher starts nothing more (`Stopping`).
-Everything else is asked of the `Hooks` (the supervisor): what to log, how long to back off, whether a
-running group is healthy."""
+- between worker groups a signal to the launcher starts nothing more (`Stopping`);
+- a lost store does not stop the ranks when the hooks say so: the next endpoint's agent adopts them.
+Everything else is asked of the `Hooks` (the supervisor): what to log, how long to back off, whether a group
+is healthy."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class Move:
 
 
 class HandedOver(Exception):
-    """Raised on the agent's thread once its ranks went to the agent of the next endpoint: it touches them no more."""
+    """Raised on the agent's thread once its ranks went to the next endpoint's agent: it touches them no more."""
 
 
 class _NoRestartLeft(Exception):
@@ -233,14 +234,13 @@ class SupervisedAgent(LocalElasticAgent):
         watches them any more, whatever its thread (maybe blocked in a call to the lost store) does."""
         self.move.handed_over = True
 
-    def handed_over(self) -> bool:
+    def handed_over(self) -> bool:  # and its ranks run on
         return self.move.handed_over and self.running()
 
     def adopt(self, previous: SupervisedAgent, group: str, env: dict[str, str]) -> None:
-        """Take over the running ranks of `previous`, the agent of the endpoint whose store was lost, instead of
-        meeting the others and starting ranks: they go on in process (their recovery moves to this
-        endpoint's store). `group`: the name their keys live under on the new store; `env`: what a rank
-        started later (a replacement) is told instead of the old store."""
+        """Take over the running ranks of `previous` (its endpoint's store was lost) instead of meeting the others
+        and starting ranks: they recover in process at this endpoint's store, their keys under `group`; `env`:
+        what a rank started later (a replacement) is told instead of the old store."""
         self._pcontext, self._worker_group = previous._pcontext, previous._worker_group
         self._worker_group.spec = self.spec  # this endpoint's rendezvous
         self._remaining_restarts = previous._remaining_restarts

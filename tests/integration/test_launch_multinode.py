@@ -1,10 +1,10 @@
 """Two launchers training one job over a loopback c10d rendezvous, for real: a node silent without a word
 (gone on without, rejoining when it wakes), a rank failed on a live node, a node lost with survivors on two
-nodes (three launchers), the job moving down the --rdzv-endpoint list when the rendezvous host is lost, a spare beyond --nnodes MAX, a signal while waiting
-for the other nodes, a node joining; and the stores listening on loopback only. A SIGKILLed or SIGSTOPped
-rank of one node: tests/integration/test_in_process.py (in process) and test_warm_restarts.py (a full warm
-restart). Every process is real (torch's elastic agent, gloo ranks); every wait is bounded, on the ledger
-or the heartbeats."""
+nodes (three launchers), the job moving down the --rdzv-endpoint list when the rendezvous host is lost, a
+spare beyond --nnodes MAX, a signal while waiting for the other nodes, a node joining; and the stores
+listening on loopback only. A SIGKILLed or SIGSTOPped rank of one node: tests/integration/test_in_process.py
+(in process) and test_warm_restarts.py (a full warm restart). Every process is real (torch's elastic agent,
+gloo ranks); every wait is bounded, on the ledger or the heartbeats."""
 
 from __future__ import annotations
 
