@@ -49,7 +49,8 @@ def test_sigterm_to_launcher_commits_an_emergency_checkpoint_and_resumes(cache_d
     delivered twice, as `kill PID; kill -- -PGID` or a wrapper relaying to both do): the ranks commit an
     emergency checkpoint, which a second signal taken for "stop at once" would have cost; the next launch
     resumes from it."""
-    overrides = ["train.steps=150", "checkpoint.every=1000", "fault.preempt_grace_s=30"]
+    overrides = ["train.steps=150", "checkpoint.every=1000", "fault.preempt_grace_s=30",
+                 "fault.warm_restarts=false"]  # (no rank restarts: no fork server)
     proc = launch(tmp_path, overrides)
     beat = wait_for_step(tmp_path, 20)
     os.kill(proc.pid, signal.SIGTERM)
@@ -76,8 +77,8 @@ def test_a_second_sigterm_a_second_later_stops_at_once_without_the_emergency_che
     past common.timing.AGAIN_AFTER_S after the first (by the launcher's clock: its `preempt` event) stops at
     once: the ranks are SIGKILLed, nothing is committed, the launcher exits 75 within seconds and says the
     step was not committed."""
-    proc = launch(tmp_path, ["train.steps=150", "checkpoint.every=5", "fault.preempt_grace_s=60"],
-                  env={"REKINDLE_SLOW_RANK": "0:4@8"})
+    proc = launch(tmp_path, ["train.steps=150", "checkpoint.every=5", "fault.preempt_grace_s=60",
+                             "fault.warm_restarts=false"], env={"REKINDLE_SLOW_RANK": "0:4@8"})
     wait_for_step(tmp_path, 7)
     os.kill(proc.pid, signal.SIGTERM)
     (first,) = wait_for_event(tmp_path, "preempt", timeout=30)  # the launcher's handler has run
@@ -96,8 +97,8 @@ def test_ranks_that_cannot_commit_within_the_grace_period_print_their_stacks_the
     grace period less its reserve (25%) the launcher has them print their stacks (SIGUSR1), which show where
     they were (in the step: one sleeping, the other waiting for it), SIGKILLs them and exits 75, saying the
     step was not committed."""
-    proc = launch(tmp_path, ["train.steps=150", "checkpoint.every=5", "fault.preempt_grace_s=4"],
-                  env={"REKINDLE_SLOW_RANK": "0:8@8"})
+    proc = launch(tmp_path, ["train.steps=150", "checkpoint.every=5", "fault.preempt_grace_s=4",
+                             "fault.warm_restarts=false"], env={"REKINDLE_SLOW_RANK": "0:8@8"})
     beats = [wait_for_step(tmp_path, 7, rank=rank) for rank in (0, 1)]
     # Into step 8's sleep: both ranks past step 7 and asleep (rank 0 in its sleep, rank 1 waiting for it; between
     # steps they compute, and two ranks cannot both wait in the same collective).
@@ -118,7 +119,8 @@ def test_preempted_node_without_rank_0_reports_its_emergency_checkpoint(cache_di
     a clean preemption: it asks the shared checkpoint store."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=pods"]
-    shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=400", "checkpoint.every=1000"]
+    shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=400", "checkpoint.every=1000",
+              "fault.warm_restarts=false"]
     nodes = [launch(tmp_path / f"pod{i}", shared, nproc=1, extra_args=args) for i in range(2)]
     wait_for("rank at step 5", lambda: any(b.step >= 5 for d in tmp_path.glob("pod*/heartbeats-*")
                                           for b in read_heartbeats(d).values()), 90)

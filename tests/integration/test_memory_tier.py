@@ -43,7 +43,7 @@ BASE = [f"train.steps={STEPS}", "checkpoint.every=50"]  # durable: only the fina
 def reference(cache_dir, tmp_path_factory) -> Path:
     """An uninterrupted 2-rank launcher run, memory tier off."""
     run_dir = tmp_path_factory.mktemp("reference")
-    out = finish(launch(run_dir, BASE))
+    out = finish(launch(run_dir, [*BASE, "fault.warm_restarts=false"]))  # (no restarts: no fork server)
     assert "done: 0 restart(s)" in out, out[-3000:]
     return run_dir
 

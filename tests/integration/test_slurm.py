@@ -329,8 +329,8 @@ def lose_node(cluster: Cluster, node: str) -> list[int]:
 
 def test_a_lost_node_leaves_the_other_going_on_then_the_requeued_job_resumes_on_both(cache_dir, cluster):
     """A 2-node allocation under `--nnodes 1:2` (MIN_NODES=1) loses a node mid-run (not the batch host): the
-    other goes on alone from the memory snapshot resharded, in process with its pid kept (or, when the lost
-    node hosted the rendezvous, at the next endpoint). Slurm's SIGTERM then
+    other goes on alone from the memory snapshot resharded, in process with its pid kept (when the lost node
+    hosted the rendezvous, at the next endpoint, its launcher adopting the rank). Slurm's SIGTERM then
     preempts it: it commits an emergency checkpoint and exits 75; the recipe requeues the job (srun
     reports the lost node's task, 137, over the survivor's 75), the node is back, and on both nodes the
     requeued job resumes from that committed step and finishes, with no step lost."""
@@ -350,8 +350,8 @@ def test_a_lost_node_leaves_the_other_going_on_then_the_requeued_job_resumes_on_
     # Not the batch host: losing it ends the job script (and srun with it), which is Slurm's to requeue.
     lost = next(n for n in NODES if n != cluster.job(jid)["BatchHost"])
     # Both nodes are 127.0.0.1 here, so either launcher may have bound the first endpoint: if the lost
-    # node hosted the rendezvous, the survivor moves down the endpoint list and restarts its rank there;
-    # otherwise the rank goes on in process.
+    # node hosted the rendezvous, the survivor moves down the endpoint list first; either way its rank goes
+    # on in process.
     hosts = [e for e in read_events(run_dir) if e["event"] == "rendezvous" and e["hosted"]]
     assert len(hosts) == 1, hosts
     host_lost = slurm_node_of(int(hosts[0]["node"].rsplit(":", 1)[1])) == lost
@@ -385,17 +385,16 @@ def test_a_lost_node_leaves_the_other_going_on_then_the_requeued_job_resumes_on_
     done = [i for i, e in enumerate(events) if e["event"] == "done"]
     assert len(done) == 3, say()  # attempt 1: the survivor only; attempt 2: both nodes
     first, second = events[: done[0] + 1], events[done[0] + 1:]
-    # Attempt 1: the survivor goes on alone from the memory snapshot resharded: in process (its pid
-    # kept) when the lost node did not host the rendezvous, else at the next endpoint, moved to.
+    # Attempt 1: the survivor goes on alone in process (its pid kept) from the memory snapshot resharded; when
+    # the lost node hosted the rendezvous, at the next endpoint, moved to, its launcher adopting the rank.
     resumed = next(e for e in first if e["event"] == "resume")
     assert resumed["tier"] == "memory-reshard", resumed
     if host_lost:
         moved = [e for e in first if e["event"] == "rendezvous" and e["hosted"] and e["index"] == 1]
-        assert len(moved) == 1 and resumed["path"] == "restart", (moved, resumed)
-    else:
-        failure = next(e for e in first if e["event"] == "failure")
-        assert (failure["cause"], failure["path"], resumed["path"]) == ("node", "in-process", "in-process"), first
-        assert len(next(e for e in first if e["event"] == "in_process_done")["kept_pids"]) == 1, first
+        assert len(moved) == 1 and moved[0]["adopted"], moved
+    failure = next(e for e in first if e["event"] == "failure")
+    assert (failure["cause"], failure["path"], resumed["path"]) == ("node", "in-process", "in-process"), first
+    assert len(next(e for e in first if e["event"] == "in_process_done")["kept_pids"]) == 1, first
     # ... then SIGTERM: an emergency checkpoint, exit 75, nothing it had finished lost (both attempts' output
     # when not: the first attempt's launcher lines are not in the tail that say() shows).
     preempt = next(e for e in first if e["event"] == "preempt")
