@@ -8,7 +8,7 @@ at node 0 and then node 1 (`--rdzv-endpoint A,B`), at the default fault settings
 2. node 2's link taken down (a partition): the two others restart their group without it within
    seconds (`launch.liveness`), and the cut-off node stops by itself, exit 75;
 3. node 0's namespace removed with everything in it (the node hosting the rendezvous): node 1 moves to
-   the second endpoint, goes on alone and finishes.
+   the second endpoint, its launcher adopting its rank, which goes on alone in process and finishes.
 The ledger records the meetings, the partition (who was silent, who was cut off) and the move."""
 
 from __future__ import annotations
