@@ -131,8 +131,7 @@ class RecoveryCoordinator:
         if not self.mode.in_process:
             return [*self._restarting(e.beats), LetFail()]
         if p is not None:
-            return [*self._fallback(f"a second failure (rank {failure.rank}) during the in-process recovery of "
-                                    f"generation {p.generation}", failure.rank), LetFail()]
+            return [*self._second_failure(p, failure.rank), LetFail()]
         if failure.exit_code in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_STORAGE) or failure.cause in ("preemption",
                                                                                                 "storage"):
             return [*self._restarting(e.beats), LetFail()]
@@ -159,7 +158,15 @@ class RecoveryCoordinator:
         if isinstance(self.state, Recorded):
             self.state = Idle()
             return []
-        return self._decide(e.failure, e.traceback, "restart")
+        p = self.pending  # a rank that died after the agent's poll for replacements reaches torchelastic first
+        second = self._second_failure(p, e.failure.rank) if p is not None and not p.fell_back else []
+        return [*second, *self._decide(e.failure, e.traceback, "restart")]
+
+    def _second_failure(self, p: Pending, rank: int) -> list[Action]:
+        """The fallback, said once, for a failure during the pending recovery `p`."""
+        p.fell_back = True
+        return self._fallback(f"a second failure (rank {rank}) during the in-process recovery of generation "
+                              f"{p.generation}", rank)
 
     def _observed(self, e: Observed) -> list[Action]:
         """Follow a recovery that another node's launcher leads (`_follow`); settle the pending recovery once

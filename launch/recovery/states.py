@@ -40,8 +40,9 @@ class Idle:
 class Pending:
     """A recovery under way: its generation, when its failure was noticed, the ranks replaced, the survivors
     on this node (local rank -> pid), the failed ranks' trainer pids (their heartbeats are stale), the ranks
-    of a lost node (the world got smaller), the survivors killed for never noticing the failure, and whether
-    another node's launcher leads it (`followed`: its rank failed; the ranks here all survive)."""
+    of a lost node (the world got smaller), the survivors killed for never noticing the failure, whether
+    another node's launcher leads it (`followed`: its rank failed; the ranks here all survive), and whether a
+    second failure made it give way (`fell_back`)."""
 
     generation: int
     noticed: float
@@ -51,6 +52,7 @@ class Pending:
     lost: list[int] = field(default_factory=list)
     unaware: set[int] = field(default_factory=set)
     followed: bool = False
+    fell_back: bool = False  # a second failure made it give way to a full restart (said once)
 
 
 @dataclass(frozen=True, slots=True)

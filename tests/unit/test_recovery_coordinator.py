@@ -116,6 +116,8 @@ ROWS = [
      [Note, LetFail], Pending),
     ("the group's failure after a fallback is recorded", ONE_NODE, 3, [rank_died(), rank_died(rank=2)],
      GroupFailed(Failure(2, "signal", 5)), [Record, Proceed], Pending),
+    ("a second failure that reached torchelastic first: the fallback said, then recorded", ONE_NODE, 3,
+     [rank_died()], GroupFailed(Failure(2, "signal", 5)), [Note, Record, Proceed], Pending),
     ("a full restart forgets the recovery", ONE_NODE, 3, [rank_died(), rank_died(rank=2)], GroupStarted(), [], Idle),
     ("the recovery settles once every rank stepped in its generation", ONE_NODE, 3, [rank_died()], settled(),
      [Note], Idle),
