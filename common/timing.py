@@ -44,6 +44,7 @@ IDLE_PATIENCE_S = 2.0  # signalled, and no rank running: how long the launcher w
 OUTCOME_RESERVE_S = 1.0  # the end of the grace period a preempted launcher keeps for its own outcome
 STORE_ASK_S = 2.0  # how long a launcher's question to the ranks' coordination store may take
 STORE_PROBE_S = 0.2  # how long a launcher's probe waits for the ranks' coordination store to accept a connection
+HANG_DEFER_S = 2.0  # several nodes: a verdict on a rank that only waits is put off this long per node rank (+1)
 HANG_EXIT_WAIT_S = 10.0  # a hung rank SIGKILLed alone: how long its exit may take to reach the agent
 MEMORY_SWEEP_S = 10.0  # the launcher's start waits this long for its sweep of old memory snapshots (a slow file system)
 

@@ -114,8 +114,10 @@ def _ask(s: Supervisor, a: CheckHangs | PublishSmallerWorld) -> list[Action]:
         if hang is None:
             return []
         failure = failures.from_hang(hang, s.cfg.checkpoint_dir)
+        group = s.agent.group()
         return s.coordinator.handle(HangFound(failure=failure, pid=hang.pid, gone=hang.state == "gone", beats=a.beats,
-                                              now=a.now))
+                                              now=a.now, waiting=hang.state == "waiting",
+                                              node=group[1] if group else 0))
     kept = dict(enumerate(sorted(b.pid for b in a.beats.values())))  # by pid (the ranks here may be renumbered)
     answer = store.smaller_world(s.agent, a.generation, s.opts.min_nodes, waited_s=time.time() - a.noticed,
                                  last_endpoint=s.members.last_endpoint)

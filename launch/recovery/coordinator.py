@@ -23,7 +23,15 @@ Its clock is the wall clock (`time.time()`): the heartbeat records it compares w
 
 from __future__ import annotations
 
-from common.timing import HANG_EXIT_WAIT_S, NODE_HANDLED_S, NODE_LOST_S, RECOVERY_BOUND_S, TOLD_S, UNAWARE_S
+from common.timing import (
+    HANG_DEFER_S,
+    HANG_EXIT_WAIT_S,
+    NODE_HANDLED_S,
+    NODE_LOST_S,
+    RECOVERY_BOUND_S,
+    TOLD_S,
+    UNAWARE_S,
+)
 from launch.failures import Failure
 from launch.liveness import goes_on
 from launch.policy import Decision, RestartPolicy
@@ -69,6 +77,7 @@ class RecoveryCoordinator:
         self.state: State = Idle()
         self.told: Told | None = None
         self.backoff_s = 0.0  # how long the next full restart backs off (the restart policy's word)
+        self.deferred: tuple[tuple[int, int], float] | None = None  # a waiting rank's verdict put off: key, since
         self._handlers = {GroupStarted: self._started, RanksExited: self._exited, GroupFailed: self._failed,
                           Observed: self._observed, Preempted: self._preempted, Tick: self._tick,
                           HangFound: self._hang, WorldPublished: self._published, GroupLeft: self._left}
@@ -227,11 +236,25 @@ class RecoveryCoordinator:
         return [*kills, CheckHangs(ignore=self.unjudged_pids(), beats=e.beats, now=e.now)]
 
     def _hang(self, e: HangFound) -> list[Action]:
+        if self._defer(e):
+            return []
         if self.mode.in_process and self.pending is None and not e.gone:
             # In process: kill the hung rank alone; its replacement is started as for a crash.
             self.state = HangKilled(failure=e.failure, at=e.now)
             return [Note(f"{e.failure.describe()}: killing it (pid {e.pid})"), Kill(rank=e.failure.rank, pid=e.pid)]
         return [*self._restarting(e.beats), *self._decide(e.failure, "", "restart"), Restart()]
+
+    def _defer(self, e: HangFound) -> bool:
+        """Several nodes, in process: a verdict on a rank that only waits is put off HANG_DEFER_S x (1 + this node's
+        rank in the group). The rank holding it up is likely on another node, stopped or spinning, and that node
+        kills it at once: judged everywhere at once, each node would kill its waiting rank too, and the recovery
+        fall back to a full restart. Staggered, a hang where every rank only waits is judged, by one node first."""
+        if not self.mode.in_process or self.mode.single_node or not e.waiting or self.pending is not None:
+            return False
+        key = (e.pid, e.failure.step)
+        if self.deferred is None or self.deferred[0] != key:
+            self.deferred = (key, e.now)
+        return e.now - self.deferred[1] < HANG_DEFER_S * (1 + e.node)
 
     def _silent(self, s: Silence, e: Tick) -> list[Action]:
         """Nodes of the group went silent: go on without them (told, in process, when this node is left alone

@@ -95,13 +95,16 @@ class Tick:
 @dataclass(frozen=True)
 class HangFound:
     """The watchdog's verdict on a rank of this node (`failure`: launch.failures.from_hang); `gone`: its
-    process had vanished already."""
+    process had vanished already; `waiting`: it sleeps (in a collective or I/O: likely held up by a rank
+    elsewhere); `node`: this node's rank in the group."""
 
     failure: Failure
     pid: int
     gone: bool
     beats: Beats
     now: float
+    waiting: bool = False
+    node: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,15 @@ import dataclasses
 import pytest
 
 from common.exits import EXIT_USAGE
-from common.timing import HANG_EXIT_WAIT_S, NODE_HANDLED_S, NODE_LOST_S, RECOVERY_BOUND_S, TOLD_S, UNAWARE_S
+from common.timing import (
+    HANG_DEFER_S,
+    HANG_EXIT_WAIT_S,
+    NODE_HANDLED_S,
+    NODE_LOST_S,
+    RECOVERY_BOUND_S,
+    TOLD_S,
+    UNAWARE_S,
+)
 from launch.failures import Failure, RankExit
 from launch.policy import RestartPolicy
 from launch.recovery.coordinator import RecoveryCoordinator
@@ -255,3 +263,20 @@ def test_a_smaller_world_counts_from_when_the_silent_node_was_last_heard():
     waiting = tick(T0 + NODE_LOST_S + 0.01, silence=ALONE, r0="recover", r1="recover", r2="recover")
     publish = coordinator.handle(waiting)[-1]
     assert isinstance(publish, PublishSmallerWorld) and publish.noticed == ALONE.last_heard
+
+def test_a_waiting_ranks_verdict_on_several_nodes_is_put_off_by_node_rank_and_a_sure_one_is_not():
+    """A rank that only waits is likely held up by a rank on another node, which that node's watchdog (its
+    rank stopped or spinning) kills at once: judged at once on every node, each would kill its own waiting
+    rank too. Node 1 puts it off 2 x HANG_DEFER_S, then kills; a new verdict starts the wait again."""
+    def waiting(now: float, step: int = 5, pid: int = 101) -> HangFound:
+        return dataclasses.replace(hang(now=now), pid=pid, waiting=True, node=1,
+                                   failure=dataclasses.replace(hang().failure, step=step))
+
+    coordinator = RecoveryCoordinator(NODES, RestartPolicy(3))
+    assert coordinator.handle(waiting(T0)) == []
+    assert coordinator.handle(waiting(T0 + 2 * HANG_DEFER_S - 0.1)) == []
+    assert coordinator.handle(waiting(T0 + 2 * HANG_DEFER_S - 0.05, step=6)) == []  # another verdict: from now
+    assert coordinator.handle(waiting(T0 + 3 * HANG_DEFER_S, step=6)) == []
+    assert isinstance(coordinator.handle(waiting(T0 + 4 * HANG_DEFER_S, step=6))[-1], Kill)
+    for mode, verdict in [(NODES, hang()), (ONE_NODE, dataclasses.replace(hang(), waiting=True))]:
+        assert isinstance(RecoveryCoordinator(mode, RestartPolicy(3)).handle(verdict)[-1], Kill)  # at once
