@@ -9,8 +9,11 @@
     preemption   SIGTERM to the launcher: passed to the ranks, the grace period, a second signal
     outcome      the exit code and its one line; commits: what the checkpoint store says was committed
     agent        torchrun's LocalElasticAgent with the supervisor's hooks; it adopts another agent's running
-                 ranks when the store moves (with rounds, the only files touching torchelastic's internals)
-    rounds       what torch's private rendezvous state says: the round, each node's ranks, nodes that left
+                 ranks when the store moves (with rounds, the only files touching torchelastic's internals);
+                 agent_hooks: what it shares with the supervisor
+    rounds       what torch's private rendezvous state says: the round, each node's ranks, nodes that left;
+                 a spare's way out of torch's join loop
+    spares       spares that join in process: the spare's registration and claims on the ranks' store
     rendezvous   the c10d rendezvous (loopback-only store on one node; an ordered endpoint list to move down
                  when the node hosting one is lost) and the worker spec
     zygote, stub warm restarts: the fork server ranks are forked from, and the stub torchelastic starts

@@ -123,6 +123,7 @@ def _ask(s: Supervisor, a: CheckHangs | PublishSmallerWorld) -> list[Action]:
                                  last_endpoint=s.members.last_endpoint)
     if answer is None:  # the ranks here are on their way: asked again at the next look
         return []
-    lost, why = answer
+    lost, why, spare = answer
     return s.coordinator.handle(WorldPublished(generation=a.generation, noticed=a.noticed, kept=kept, lost=tuple(lost),
-                                               why=why, step=s.last_step() + 1, world=s.agent.world_size()))
+                                               why=why, step=s.last_step() + 1, world=s.agent.world_size(),
+                                               spare=spare))

@@ -13,7 +13,9 @@ What it changes in torchrun's behaviour:
 - the ranks are told the group's rendezvous round (`ROUND_ENV`), the same on every node: their
   coordination store's prefix (a node's restart count is not the same everywhere);
 - between worker groups a signal to the launcher starts nothing more (`Stopping`);
-- a lost store does not stop the ranks when the hooks say so: the next endpoint's agent adopts them.
+- a lost store does not stop the ranks when the hooks say so: the next endpoint's agent adopts them;
+- a spare claimed for a lost node (launch.spares) starts that node's ranks in the running round, without a
+  rendezvous (`_take_place`).
 Everything else is asked of the `Hooks` (the supervisor): what to log, how long to back off, whether a group
 is healthy."""
 
@@ -26,10 +28,8 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -38,10 +38,12 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from common.clock import wait_until
 from common.process import send_signal
 from common.timing import EXIT_BARRIER_S, SURVIVOR_GRACE_S
-from launch.failures import RankExit, drop_torn_error_file, rank_exit
+from launch.agent_hooks import GroupStatus, HandedOver, Hooks, Move, NoRestartLeft, Stopping
+from launch.failures import drop_torn_error_file, rank_exit
 from launch.rendezvous import store_lost
-from launch.rounds import Round, nodes_that_left
-from trainer.contract import COORD_STORE_ENV, ROUND_ENV, check_elastic_agent, is_alive
+from launch.rounds import Round, SpareClaimed, claimable, nodes_that_left, spare_store
+from launch.spares import SpareDoor
+from trainer.contract import COORD_STORE_ENV, GENERATION_ENV, ROUND_ENV, check_elastic_agent, is_alive
 
 
 class _QuietThreadWarning(logging.Filter):
@@ -55,86 +57,20 @@ class _QuietThreadWarning(logging.Filter):
 logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietThreadWarning())
 
 
-@dataclass(frozen=True)
-class GroupStatus:
-    """The running worker group as the agent sees it at one monitor interval."""
-
-    state: str  # healthy | failed | succeeded (torchelastic's WorkerState, lower case)
-    exits: dict[int, RankExit] = field(default_factory=dict)  # failed ranks by global rank (state failed)
-    victims: frozenset[int] = frozenset()  # local ranks still alive when the group was torn down
-
-
-class Hooks(Protocol):
-    """What the agent asks of the supervisor. Called on the agent's thread."""
-
-    def signalled(self) -> bool:
-        """A signal asked this node to stop: close ranks gently, start no new group."""
-
-    def hard_stop(self) -> bool:
-        """A second signal: stop waiting for the ranks."""
-
-    def before_start(self, attempt: int) -> None:
-        """A worker group with restart count `attempt` is about to start."""
-
-    def after_start(self, attempt: int, pids: dict[int, int]) -> None:
-        """It started: local rank -> pid."""
-
-    def before_restart(self, attempt: int, membership: bool) -> float:
-        """The old group is stopped (after a failure, or for a `membership` change); returns the
-        seconds to back off before the rendezvous."""
-
-    def review(self, status: GroupStatus) -> bool:
-        """Every monitor interval; True declares a running group unhealthy (it is restarted)."""
-
-    def group_left(self, nodes: list[str]) -> bool:
-        """`nodes` of the running group left it to meet again (their launcher restarted it: a failure there)
-        while the ranks here still run: True restarts the group here too, as a failure; False stops (the
-        restart policy says so)."""
-
-    def keep_ranks_on_store_loss(self) -> bool:
-        """The store was lost while the group runs: True keeps the ranks for the next endpoint's agent (`adopt`)."""
-
-    def replace_failed(self, exits: dict[int, RankExit]) -> dict[str, str] | None:
-        """Ranks of the running group failed (`exits`, by global rank) while the others still run: the
-        environment to start their replacements with (in-process recovery: only they restart), or None
-        to let torchelastic stop and restart the whole group."""
-
-
-class Stopping(Exception):
-    """Raised on the agent's thread when a signal arrived between worker groups: start nothing more."""
-
-
-@dataclass
-class Move:
-    """An agent's part in a move down the endpoint list: it handed its ranks to the next endpoint's agent (and
-    why), or adopted another agent's (when; `pending` until its first look skips starting them)."""
-
-    handed_over: bool = False
-    store_error: BaseException | None = None
-    adopted_at: float | None = None
-    pending: bool = False
-
-
-class HandedOver(Exception):
-    """Raised on the agent's thread once its ranks went to the next endpoint's agent: it touches them no more."""
-
-
-class _NoRestartLeft(Exception):
-    """Raised on the agent's thread when the group broke and the restart policy says stop."""
-
-
 class SupervisedAgent(LocalElasticAgent):
     """torchrun's agent with the supervisor's hooks at start, monitor, stop and restart. The supervisor
     uses `supervise`, `worker_pids`, `running`, `stop_restarts`, `terminate`, `kill` and `leave_rendezvous`."""
 
-    def __init__(self, spec: WorkerSpec, hooks: Hooks, drain_grace_s: float) -> None:
+    def __init__(self, spec: WorkerSpec, hooks: Hooks, drain_grace_s: float, door: SpareDoor | None = None) -> None:
         super().__init__(spec, DefaultLogsSpecs(), start_method="spawn", exit_barrier_timeout=EXIT_BARRIER_S)
         check_elastic_agent(self)  # what follows overrides and reads torchelastic's private members
         self.spec, self.hooks, self.drain_grace_s = spec, hooks, drain_grace_s
         self._victims: set[int] = set()  # local ranks still alive when the group was torn down
         self.meeting = Round()  # the running group's rendezvous round
-        self.move = Move()  # its part in a move down the endpoint list (`hand_over`, `adopt`)
-        self.coord_store = os.environ.get(COORD_STORE_ENV, "")  # its ranks' store (host:port), set by its rendezvous
+        self.move = Move(coord_store=os.environ.get(COORD_STORE_ENV, ""))  # its part in a move (`hand_over`, `adopt`)
+        self.door = door  # a spare's way into a running group, in a lost node's place (launch.spares)
+        if door is not None:
+            claimable(spec.rdzv_handler, door)
 
     # ------------------------------------------------------------------ the supervisor's interface
     def supervise(self) -> str:
@@ -143,7 +79,7 @@ class SupervisedAgent(LocalElasticAgent):
         Raises `Stopping` when a signal arrived between groups."""
         try:
             result = self.run()
-        except _NoRestartLeft:
+        except NoRestartLeft:
             return "failed"
         if result is None:
             return "closed"
@@ -261,9 +197,47 @@ class SupervisedAgent(LocalElasticAgent):
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def _rendezvous(self, worker_group) -> None:
-        super()._rendezvous(worker_group)
+        if self.door is not None:
+            self.door.joined = None
+        try:
+            super()._rendezvous(worker_group)
+        except SpareClaimed:
+            if self._take_place(worker_group, self.door.take()):
+                return
+            super()._rendezvous(worker_group)  # the round moved on meanwhile: meet the others (the door is shut)
         self.meeting = Round.met(self.spec.rdzv_handler, worker_group, self.world_size(), self.spec.local_world_size)
         os.environ[ROUND_ENV] = self.meeting.name  # the ranks' (torchelastic starts them with os.environ and its own)
+
+    @property
+    def spare_claim(self) -> dict | None:
+        """The claim the running group started on: a spare's ranks in a lost node's place (`_take_place`)."""
+        return self.door.joined if self.door is not None else None
+
+    def place_of(self, lost: list[int]) -> dict | None:
+        """Where the ranks `lost` belong in the running group, for a spare to start them in their node's place
+        (launch.spares): None unless they are exactly one node's."""
+        g = self._worker_group
+        if frozenset(lost) not in self.meeting.ranks.values() or g.group_rank is None:
+            return None
+        return {"round": self.meeting.name, "ranks": sorted(lost), "group_rank": min(lost) // len(lost),
+                "group_world_size": g.group_world_size, "world": self.world_size(), "nproc": len(lost),
+                "master_addr": g.master_addr, "master_port": g.master_port}
+
+    def _take_place(self, worker_group, claim: dict | None) -> bool:
+        """A spare claimed for a lost node: that node's ranks, the same global ranks and world size, in the
+        running round and the recovery's generation, without a rendezvous. False when the round moved on."""
+        store = spare_store(self.spec.rdzv_handler, claim["round"]) if claim else None
+        if store is None or claim["nproc"] != self.spec.local_world_size:
+            return False
+        world = claim["world"]
+        worker_group.workers = [Worker(local_rank=lr, global_rank=rank, role_rank=rank, world_size=world,
+                                       role_world_size=world) for lr, rank in enumerate(claim["ranks"])]
+        worker_group.store = self._store = store
+        worker_group.group_rank, worker_group.group_world_size = claim["group_rank"], claim["group_world_size"]
+        worker_group.master_addr, worker_group.master_port = claim["master_addr"], claim["master_port"]
+        self.meeting, self.door.joined = Round(claim["round"]), claim
+        os.environ.update({ROUND_ENV: claim["round"], GENERATION_ENV: str(claim["generation"])})
+        return True
 
     def _initialize_workers(self, worker_group) -> None:
         if self.move.pending:  # the ranks run already (`adopt`)
@@ -293,7 +267,10 @@ class SupervisedAgent(LocalElasticAgent):
         attempt = self._restart_count()  # what torchelastic gives the ranks (stop_restarts() changes it later)
         self._exit_barrier_timeout = EXIT_BARRIER_S  # (`renumber` turned it off for a smaller world)
         self.hooks.before_start(attempt)
-        pids = super()._start_workers(worker_group)
+        try:
+            pids = super()._start_workers(worker_group)
+        finally:
+            os.environ.pop(GENERATION_ENV, None)  # (a spare's ranks start in the recovery's generation: `_take_place`)
         self._fast_close(self._pcontext)
         self.hooks.after_start(attempt, pids)
         return pids
@@ -331,7 +308,7 @@ class SupervisedAgent(LocalElasticAgent):
             membership = False  # a failure elsewhere: the ranks here wait for ranks that are gone
             if not self.hooks.group_left(left):
                 self._stop_workers(worker_group)
-                raise _NoRestartLeft()
+                raise NoRestartLeft()
             self._remaining_restarts = max(self._remaining_restarts - 1, 0)  # counted as torchelastic counts failures
         if membership:
             self.drain(self.drain_grace_s)

@@ -1,7 +1,8 @@
 """Multi-node membership, as one node's launcher sees it (`Membership`, composed into launch.supervisor):
 the rendezvous endpoint in use (`--rdzv-endpoint` may list several, moved down when the node hosting the
-store is lost), whether this node waits as a spare, and whether the nodes of its group still hear each
-other (`launch.liveness`), which turns a partition into a bounded verdict:
+store is lost), whether this node waits as a spare (and its door into a running group, launch.spares), and
+whether the nodes of its group still hear each other (`launch.liveness`), which turns a partition into a
+bounded verdict:
 
 - this node cannot reach the store for `fault.node_silence_s` (`LOST_S` by default): its ranks are stopped,
   and it moves down the list (a new store must answer within `MOVE_WAIT_S`) or, the list spent, exits 75
@@ -19,12 +20,13 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from common.clock import wait_until
-from common.timing import LOST_S, MOVE_WAIT_S
+from common.timing import LOST_S, MOVE_WAIT_S, SPARE_HOLD_S
 from launch import rendezvous
 from launch.ledger import Ledger
 from launch.liveness import Liveness
 from launch.recovery.events import Silence
 from launch.recovery.store import StoreQuestions
+from launch.spares import SpareDoor
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class Membership:
         self.liveness: Liveness | None = None
         self._spare_since: float | None = None  # when this node was first seen waiting as a spare
         self._store = StoreQuestions()
+        self.door: SpareDoor | None = None  # this spare's way into a running group in a lost node's place
 
     @property
     def last_endpoint(self) -> bool:
@@ -72,25 +75,45 @@ class Membership:
     def stop(self) -> None:
         if self.liveness is not None:
             self.liveness.stop()
+        if self.door is not None:
+            self.door.close()
+
+    def door_for(self, spec, store_at: str, in_process: bool) -> SpareDoor | None:
+        """The door a spare of this node would take into a running group, in process, in a lost node's place
+        (several nodes, in-process recovery, a coordination store); opened once this node waits as a spare."""
+        if self.door is not None:
+            self.door.close()
+        self.door = None
+        if self.multi_node and in_process and store_at:
+            self.door = SpareDoor(store_at, spec.rdzv_handler.get_run_id(), self.ledger.node, spec.local_world_size,
+                                  hold_s=self.silence_s + SPARE_HOLD_S)
+        return self.door
 
     def joined(self, agent, generation: int = 0) -> None:
-        """Watch the nodes of the group just started (or of the smaller world it went on in); a spare joining
-        says so."""
+        """Watch the nodes of the group just started (or of the world it went on in after a lost node); a spare
+        joining says so (in process: in a lost node's place, in that recovery's generation)."""
+        claim = agent.spare_claim if generation == 0 else None
+        generation = claim["generation"] if claim else generation
         if self.liveness is not None and (group := agent.group()) is not None:
             name, rank, size = group
             self.liveness.join(f"{name}/g{generation}", rank, size)
-        if generation == 0 and self._spare_since is not None and len(self.ledger.attempts) == 1:
+        if (generation == 0 or claim) and self._spare_since is not None and len(self.ledger.attempts) == 1:
             waited = time.time() - self._spare_since
-            log.info(f"this spare joins the job after waiting {waited:.1f}s")
-            self.ledger.event("spare_joined", waited_s=round(waited, 1))
+            how = f" in process, as rank(s) {claim['ranks']} of generation {generation}" if claim else ""
+            log.info(f"this spare joins the job{how} after waiting {waited:.1f}s")
+            self.ledger.event("spare_joined", waited_s=round(waited, 1), in_process=bool(claim),
+                              **({"generation": generation, "ranks": claim["ranks"]} if claim else {}))
 
     def note_spare(self, agent) -> None:
-        """Between groups: say once that this node waits as a spare."""
+        """Between groups: say once that this node waits as a spare (and open its door)."""
         if self._spare_since is None and not self.ledger.attempts and agent.waiting_as_spare():
             self._spare_since = time.time()
-            log.info("the job has its --nnodes MAX nodes: this node waits as a spare (its fork server ready) and "
-                     "joins at the next rendezvous after a node is lost")
-            self.ledger.event("spare_waiting", endpoint=self.endpoint)
+            how = "in process, in the place of the next node lost" if agent.door else "at the next rendezvous"
+            log.info(f"the job has its --nnodes MAX nodes: this node waits as a spare (its fork server ready) and "
+                     f"joins {how}")
+            self.ledger.event("spare_waiting", endpoint=self.endpoint, in_process=agent.door is not None)
+            if agent.door is not None:
+                agent.door.open()
 
     def cut_off(self) -> RendezvousConnectionError | None:
         """The store has not answered for `silence_s`: the error that ends this meeting as a lost store (the

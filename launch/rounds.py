@@ -1,7 +1,8 @@
 """What the launcher reads of torch's private c10d rendezvous state (`handler._state_holder.state`): the
 round just met and its nodes (`round_of`), which global ranks each node holds (`ranks_by_node`), and which
-nodes of a round came back to meet again (`nodes_that_left`); and the keep-alive of a lost store's
-rendezvous, stopped (`stop_keep_alive`). With launch.agent, the only code that
+nodes of a round came back to meet again (`nodes_that_left`); the keep-alive of a lost store's
+rendezvous, stopped (`stop_keep_alive`); and a spare's way out of torch's join loop when a launcher claims
+it for a lost node (`claimable`, `SpareClaimed`, `spare_store`; launch.spares). With launch.agent, the only code that
 touches torchelastic's internals: when a torch release moves them, each reader falls back to what it can
 still say."""
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from trainer.contract import rendezvous_actions
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,68 @@ def stop_keep_alive(handler) -> None:
     stop = getattr(handler, "_stop_heartbeats", None)
     if stop is not None:
         threading.Thread(target=stop, name="stop-keep-alive", daemon=True).start()
+
+
+class SpareClaimed(Exception):
+    """Raised in torch's join loop on a spare's agent thread: it left the redundancy list, claimed for a lost
+    node's place (launch.spares)."""
+
+
+def claimable(handler, door) -> None:
+    """Let a claim of `door` (launch.spares.SpareDoor) take this node out of the rendezvous's join loop: it
+    leaves the redundancy list (or the wait list) and `SpareClaimed` is raised. While it waits as a spare, torch's
+    one-second pauses between looks are cut short by a claim, and when a node of the running round is gone it
+    stays in the redundancy list for a while (`SpareDoor.hold`) instead of moving to the wait list. Nothing
+    when torch moved its internals (a spare then joins at the next rendezvous only)."""
+    try:
+        actions, inner = rendezvous_actions(), handler._op_executor
+    except (ImportError, AttributeError):
+        return
+    handler._op_executor = _Claimable(inner, door, actions)
+
+
+class _Claimable:
+    """torch's rendezvous operation executor, its state handlers asked about the door first."""
+
+    def __init__(self, inner, door, actions) -> None:
+        self._inner, self._door, self._actions = inner, door, actions
+
+    def run(self, state_handler, deadline, update_deadline=None):
+        return self._inner.run(self._wrap(state_handler), deadline, update_deadline)
+
+    def _wrap(self, state_handler):
+        actions, door = self._actions, self._door
+
+        def handle(ctx, deadline):
+            state = ctx.state
+            if door.claimed():
+                if ctx.node in state.redundancy_list:
+                    return actions.REMOVE_FROM_REDUNDANCY_LIST
+                if ctx.node in state.wait_list:
+                    return actions.REMOVE_FROM_WAIT_LIST
+                if ctx.node not in state.participants:
+                    raise SpareClaimed("claimed for a lost node's place")
+            action = state_handler(ctx, deadline)
+            if not door.is_open or ctx.node not in state.redundancy_list:
+                return action
+            if action == actions.SYNC:  # the round is full: torch would pause a second
+                door.unhold()
+            elif not (action == actions.REMOVE_FROM_REDUNDANCY_LIST and state.complete and door.hold()):
+                return action
+            # Wait for a claim instead of torch's pause; or, a node of the running round gone (its keep-alive
+            # expired), instead of moving to the wait list, which would restart the survivors' group: they may
+            # claim this spare in process first. Then keep alive, as torch would.
+            return actions.REMOVE_FROM_REDUNDANCY_LIST if door.wait(1.0) else actions.KEEP_ALIVE
+
+        return handle
+
+
+def spare_store(handler, name: str):
+    """The store of rendezvous round `name` (its exit barrier's) for a spare taking a lost node's place in it;
+    None when the handler's last look is of another round, or torch moved its internals."""
+    try:
+        if f"r{handler._state_holder.state.round}" != name:
+            return None
+        return handler._get_store()
+    except AttributeError:
+        return None

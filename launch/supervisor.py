@@ -27,7 +27,8 @@ from pathlib import Path
 from common.process import is_alive
 from launch import failures, outcome, rendezvous
 from launch.actions import carry_out
-from launch.agent import GroupStatus, SupervisedAgent
+from launch.agent import SupervisedAgent
+from launch.agent_hooks import GroupStatus
 from launch.commits import newest_commit
 from launch.ledger import Ledger, format_summary, resume_line
 from launch.nodes import Membership
@@ -118,7 +119,8 @@ class Supervisor:
         self.attempt = attempt
         self.watchdog.reset()
         forget_store_moves(self.watchdog.directory)
-        self.coordinator.handle(GroupStarted())
+        claim = self.agent.spare_claim  # a spare's ranks start in a lost node's place, in its recovery's generation
+        self.coordinator.handle(GroupStarted(claim["generation"] if claim else 0))
         if self.zygote is not None and not self.zygote.alive():
             if self.zygote.ensure() and self.zygote.wait_bound():
                 log.warning(f"the fork server for warm restarts had ended: started again (pid {self.zygote.pid})")
@@ -271,7 +273,9 @@ class Supervisor:
         self.members.watch(os.environ.get(COORD_STORE_ENV, ""))
         if not self.coordinator.mode.uses_store:  # (the rendezvous handler names its store for the ranks)
             os.environ.pop(COORD_STORE_ENV, None)
-        self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s)
+        door = self.members.door_for(spec, os.environ.get(COORD_STORE_ENV, ""), self.coordinator.mode.smaller
+                                     and self.coordinator.mode.in_process and previous is None)
+        self.agent = SupervisedAgent(spec, self, drain_grace_s=self.cfg.fault.preempt_grace_s, door=door)
         if previous is not None:
             self._adopt(previous, at)
         self.ledger.event("rendezvous", endpoint=self.members.endpoint, index=at, hosted=hosted,
@@ -289,7 +293,7 @@ class Supervisor:
         """The new agent takes over the ranks of the lost endpoint's; the ranks learn where their store went
         (the heartbeat directory's store file: trainer.recovery.regroup follows it)."""
         store, group = os.environ[COORD_STORE_ENV], f"{previous.round()}@{at}"
-        old = (previous.coord_store, previous.round())
+        old = (previous.move.coord_store, previous.round())
         self.agent.adopt(previous, group, {COORD_STORE_ENV: store})
         write_store_moved(self.watchdog.directory, old, (store, group))
         recovery_store.moved_here(self.agent)

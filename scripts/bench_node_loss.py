@@ -1,7 +1,7 @@
 """A lost node, six ways, and a lost rank of a multi-node job, three ways, side by side in one run: the
 loss -> the first resumed step.
 
-    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,host,host-restart,silent]
+    python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,spare-restart,host,host-restart,silent]
                                       [--nodes 2,3,4] [--config configs/smoke.yaml] [key=value ...]
     python scripts/bench_node_loss.py --modes rank,rank-restart,rank-1node --nodes 2,3,4 \
         train.global_batch=12 train.micro_batch=1     # a global batch every node count divides
@@ -14,8 +14,10 @@ modes:
   (launch/recovery/coordinator.py);
 - `restart` (`fault.in_process=false`): the survivor's group restarts through a new rendezvous;
 - `spare`: as inproc, with a third launcher started beyond --nnodes MAX once both train (a spare,
-  waiting warm); after the survivor goes on alone, the spare joins at the next rendezvous and the world is
-  whole again: also timed, lost node -> first step of the whole world;
+  waiting warm): the survivor's launcher claims it, and it starts the lost rank in process in its place
+  (launch/spares.py), the world size unchanged; also timed, lost node -> first step of the whole world;
+- `spare-restart`: as spare, with `fault.in_process=false`: the group restarts through a new rendezvous,
+  the spare in it;
 - `host`: the lost node is the one hosting the rendezvous store (the other one otherwise), with
   `--rdzv-endpoint A,B`: the survivor moves to B, its launcher adopts its running rank, which follows the
   store there and goes on in process;
@@ -24,7 +26,8 @@ modes:
   link is gone: its connections stay open, so no collective of the survivor fails); the survivor's
   launcher finds it silent after fault.node_silence_s (pass `fault.node_silence_s=S` to try another
   bound) and tells its rank to go on without it; the split (found silent + the recovery after it) is printed.
-Each restores the 2-rank memory snapshot resharded (memory-reshard). The modes alternate.
+Each restores the 2-rank memory snapshot resharded (memory-reshard), or with a spare the lost rank's part from
+its peer copy (memory-peer). The modes alternate.
 
 The rank modes run, for each node count N of --nodes, a job of N launchers (`--nnodes N`, one rank each)
 and SIGKILL the trainer process of the highest rank of a node that does not host the store:
@@ -57,7 +60,8 @@ from trainer.runtime.protocol import read_events, read_heartbeats, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"inproc": ["fault.in_process=true"], "restart": ["fault.in_process=false"],
-         "spare": ["fault.in_process=true"], "host": ["fault.in_process=true"],
+         "spare": ["fault.in_process=true"], "spare-restart": ["fault.in_process=false"],
+         "host": ["fault.in_process=true"],
          "host-restart": ["fault.in_process=false"], "silent": ["fault.in_process=true"],
          "rank": ["fault.in_process=true"], "rank-restart": ["fault.in_process=false"],
          "rank-1node": ["fault.in_process=true"]}
@@ -104,6 +108,13 @@ def first_step_after(run_dir: Path, since: float) -> float:
     return first - since if first > since else float("nan")
 
 
+def firsts_after(run_dir: Path, since: float) -> list[float]:
+    """The first steps (heartbeat clock) of the ranks that took one after `since`: the spare's and the
+    survivor's once the world is whole again."""
+    return [b.startup.t_first for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values()
+            if b.startup.t_first > since]
+
+
 def resumes_after(run_dir: Path, since: float) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == "resume" and e["time"] > since]
 
@@ -129,11 +140,10 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
     start("b")
     try:
         wait_until("2-node training", lambda: last_step(run_dir) >= 20, args.timeout)
-        if mode == "spare":
+        if mode.startswith("spare"):
             start("spare")
-            wait_until("the spare waiting", lambda: sum(e["event"] == "rendezvous" for e in read_events(run_dir)) >= 3,
+            wait_until("the spare waiting", lambda: any(e["event"] == "spare_waiting" for e in read_events(run_dir)),
                        args.timeout)
-            time.sleep(1.0)  # in the rendezvous's redundancy list
         host = "ab"[rendezvous_host(run_dir, [procs["a"], procs["b"]])]  # the first to bind, not always a
         lost = host if mode.startswith("host") else "ab".replace(host, "")
         killed = time.time()
@@ -144,9 +154,9 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
         if mode == "silent":  # the split: the silence bound (fault.node_silence_s), then the recovery after it
             found = [e["time"] for e in read_events(run_dir) if e["event"] == "partition" and e["time"] > killed]
             row["found_s"] = min(found) - killed if found else float("nan")
-        if mode == "spare":
-            wait_until("the spare joining", lambda: len(resumes_after(run_dir, killed)) >= 2, args.timeout)
-            row["kill_to_whole_s"] = first_step_after(run_dir, killed)
+        if mode.startswith("spare"):
+            wait_until("the whole world training", lambda: len(firsts_after(run_dir, killed)) >= 2, args.timeout)
+            row["kill_to_whole_s"] = max(firsts_after(run_dir, killed)) - killed
         return row
     finally:
         for proc in procs.values():
@@ -226,9 +236,14 @@ def main() -> int:
     labels = list(dict.fromkeys(r["mode"] for r in rows))
     medians = {m: statistics.median(r["kill_to_step_s"] for r in rows if r["mode"] == m) for m in labels}
     print("\nmedian lost node -> first resumed step: " + ", ".join(f"{m} {v:.2f}s" for m, v in medians.items()))
-    if whole := [r["kill_to_whole_s"] for r in rows if "kill_to_whole_s" in r]:
-        print(f"spare: median lost node -> first step of the whole world again (the spare in) "
-              f"{statistics.median(whole):.2f}s ({', '.join(f'{w:.2f}s' for w in whole)})")
+    wholes = {}
+    for m in ("spare", "spare-restart"):
+        if whole := [r["kill_to_whole_s"] for r in rows if r["mode"] == m]:
+            wholes[m] = statistics.median(whole)
+            print(f"{m}: median lost node -> first step of the whole world again (the spare in) "
+                  f"{wholes[m]:.2f}s ({', '.join(f'{w:.2f}s' for w in whole)})")
+    if len(wholes) == 2:
+        print(f"spare, in process / restart: {wholes['spare'] / wholes['spare-restart']:.2f}")
     if {"inproc", "restart"} <= set(medians):
         print(f"inproc / restart: {medians['inproc'] / medians['restart']:.2f}")
     if {"host", "host-restart"} <= set(medians):

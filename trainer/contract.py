@@ -16,12 +16,13 @@ imports from trainer/ (a unit test holds it to that). What crosses:
   cost, logs                                  one cost arithmetic and one `[launch]` / `[rekindle]` log format
   torch-using parts, imported when first used (the launcher starts its fork server before torch loads):
     tcp_store_server, is_loopback             trainer.distributed.parallel: the rendezvous's store
-    check_elastic_agent                       trainer.distributed.torch_compat: torchelastic's internals, checked
+    check_elastic_agent, rendezvous_actions   trainer.distributed.torch_compat: torchelastic's internals, checked
     committed_steps, read_commit, step_dir    trainer.checkpoint.commit: the step a preempted job resumes from
     trainer_main                              the trainer.__main__ module: what the fork server runs in a forked rank
     coordination_store, arrived_ranks,        trainer.recovery.regroup: the in-process recovery's store, where the
-    publish_smaller_world, announce_failure,  launcher sends the survivors of a lost node on in a smaller world,
-    failure_handled, smaller_world_published  tells the ranks that one of them died, and hears that another
+    publish_smaller_world, announce_failure,  launcher sends the survivors of a lost node on in a smaller world
+    failure_handled, smaller_world_published, or has a spare start its ranks (publish_spare, published_world),
+    publish_spare, published_world            tells the ranks that one of them died, and hears that another
                                               launcher handles its own ranks' failure (its node lives), or that
                                               the others went on without this node
 """
@@ -58,6 +59,7 @@ _LAZY = {
     "tcp_store_server": ("trainer.distributed.parallel", "tcp_store_server"),
     "is_loopback": ("trainer.distributed.parallel", "is_loopback"),
     "check_elastic_agent": ("trainer.distributed.torch_compat", "check_elastic_agent"),
+    "rendezvous_actions": ("trainer.distributed.torch_compat", "rendezvous_actions"),
     "committed_steps": ("trainer.checkpoint.commit", "committed_steps"),
     "read_commit": ("trainer.checkpoint.commit", "read_commit"),
     "step_dir": ("trainer.checkpoint.commit", "step_dir"),
@@ -68,6 +70,8 @@ _LAZY = {
     "failure_handled": ("trainer.recovery.regroup", "failure_handled"),
     "publish_smaller_world": ("trainer.recovery.regroup", "publish_smaller_world"),
     "smaller_world_published": ("trainer.recovery.regroup", "smaller_world_published"),
+    "publish_spare": ("trainer.recovery.regroup", "publish_spare"),
+    "published_world": ("trainer.recovery.regroup", "published_world"),
 }
 
 

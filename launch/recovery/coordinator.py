@@ -14,10 +14,10 @@ ranks here were told to go on without silent nodes).
 In-process recovery (`Mode.in_process`): a failed rank is replaced alone, in the next generation, by its
 own node's launcher, which leads the recovery; the survivors keep their processes, on every node, and the
 other nodes' launchers follow it (`Pending.followed`). Under `--nnodes MIN:MAX` (`Mode.smaller`) a node whose
-every rank waits for ranks of other nodes whose launcher said nothing (NODE_LOST_S) sends its survivors on
-in a smaller world, and so does every other surviving node, in the same world (the first launcher's to be
-published stands); a live node's launcher says at once that it handles its ranks' failure (`Announce`),
-and the others wait NODE_HANDLED_S for it at the rendezvous instead.
+every rank waits for ranks of other nodes whose launcher said nothing (NODE_LOST_S) has a spare start the
+lost ranks, or sends its survivors on in a smaller world, as every other surviving node does (the first
+launcher's world to be published stands); a live node's launcher says at once that it handles its ranks'
+failure (`Announce`), and the others wait NODE_HANDLED_S for it at the rendezvous instead.
 
 Its clock is the wall clock (`time.time()`): the heartbeat records it compares with carry wall times."""
 
@@ -116,13 +116,12 @@ class RecoveryCoordinator:
         return next_generation(self.generation, (b.generation for b in beats.values()))
 
     # ------------------------------------------------------------------ events
-    def _started(self, event: GroupStarted) -> list[Action]:  # noqa: ARG002
-        self.generation, self.state, self.told = 0, Idle(), None
+    def _started(self, e: GroupStarted) -> list[Action]:
+        self.generation, self.state, self.told = e.generation, Idle(), None
         return []
 
     def _preempted(self, event: Preempted) -> list[Action]:  # noqa: ARG002
-        """Nothing more is started or judged (the supervisor sends no ticks); a recovery under way is left to
-        the ranks, which commit an emergency checkpoint or exit 75, and may still settle."""
+        """Nothing more is started or judged (no ticks); a recovery under way is left to the ranks."""
         return []
 
     def _exited(self, e: RanksExited) -> list[Action]:
@@ -189,7 +188,7 @@ class RecoveryCoordinator:
         self.state = Idle()
         kept = sorted(p.kept.values())
         return [*segment, Note(event="in_process_done", fields=dict(
-            generation=p.generation, replaced=p.replaced, kept_pids=kept, led=not p.followed,
+            generation=p.generation, replaced=p.replaced, kept_pids=kept, led=not p.followed, spare=p.spare,
             kept_ranks=sorted(r for r, b in e.beats.items() if b.pid in kept)))]
 
     def _follow(self, e: Observed) -> list[Action]:
@@ -282,8 +281,7 @@ class RecoveryCoordinator:
         return [*notes, *self._decide(failure, "", "restart"), Restart()]
 
     def _published(self, e: WorldPublished) -> list[Action]:
-        """The survivors of a lost node go on in process in a smaller world; when they cannot, the group
-        restarts."""
+        """A spare starts a lost node's ranks, or its survivors go on in a smaller world; else a restart."""
         lost = list(e.lost)
         failure = Failure(lost[0] if lost else 0, "node", e.step, key="node lost", message=(
             f"rank(s) {lost} of another node stopped answering: the node is lost" if lost else f"a peer left: {e.why}"))
@@ -292,10 +290,12 @@ class RecoveryCoordinator:
         if e.why or isinstance(verdict[-1], Stop):
             return [*fallback, *verdict, Restart()]
         self.generation, self.told = e.generation, None
-        self.state = Pending(generation=e.generation, noticed=e.noticed, replaced=[], kept=dict(e.kept), lost=lost)
+        self.state = Pending(generation=e.generation, noticed=e.noticed, replaced=[], kept=dict(e.kept),
+                             lost=[] if e.spare else lost, spare=e.spare)
+        what = (f"the spare {e.spare} starts rank(s) {lost} in their node's place" if e.spare else
+                f"the {len(e.kept)} rank(s) here go on in a world of {e.world or len(e.kept)} without rank(s) {lost}")
         return [*verdict, SegmentStarted(noticed=e.noticed, generation=e.generation, smaller=True),
-                Note(f"in-process recovery, generation {e.generation}: the {len(e.kept)} rank(s) here go on in a world "
-                     f"of {e.world or len(e.kept)} without rank(s) {lost}")]
+                Note(f"in-process recovery, generation {e.generation}: {what}")]
 
     def _left(self, e: GroupLeft) -> list[Action]:
         nodes = ", ".join(e.nodes)
@@ -309,7 +309,7 @@ class RecoveryCoordinator:
         decision = self.policy.decide(failure)
         if not decision.restart:
             return [Record(failure, traceback=traceback, path=path), Stop(decision)]
-        what = ("going on without them" if failure.cause == "node" and path == "in-process" else
+        what = ("going on in process" if failure.cause == "node" and path == "in-process" else
                 f"restarting {'the failed rank(s) alone' if path == 'in-process' else 'the worker group'}")
         line = f"{what} (restart {self.policy.restarts} of {self.policy.max_restarts})"
         self.backoff_s = decision.delay_s if path == "restart" else 0.0

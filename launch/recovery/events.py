@@ -18,7 +18,10 @@ Beats = dict[int, HeartbeatRecord]  # this node's heartbeat records of the runni
 # ---------------------------------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class GroupStarted:
-    """A worker group starts afresh (a full restart, or the first start): generation 0, nothing pending."""
+    """A worker group starts afresh (a full restart, or the first start: generation 0), or a spare's ranks start
+    in a lost node's place in the running group (`generation`: its recovery's); nothing pending."""
+
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,8 @@ class HangFound:
 
 @dataclass(frozen=True)
 class WorldPublished:
-    """The answer to `PublishSmallerWorld`: the ranks nobody replaces (`lost`) and why the survivors cannot
-    go on in process ('' when the smaller world was published)."""
+    """The answer to `PublishSmallerWorld`: the lost ranks, why the survivors cannot go on in process ('' when
+    they go on), and the spare node that starts the lost ranks in their node's place ('': a smaller world)."""
 
     generation: int
     noticed: float
@@ -119,6 +122,7 @@ class WorldPublished:
     why: str
     step: int
     world: int = 0  # the smaller world's size
+    spare: str = ""
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ class Idle:
 class Pending:
     """A recovery under way: its generation, when its failure was noticed, the ranks replaced, the survivors
     on this node (local rank -> pid), the failed ranks' trainer pids (their heartbeats are stale), the ranks
-    of a lost node (the world got smaller), the survivors killed for never noticing the failure, whether
+    of a lost node (the world got smaller; or a `spare` started them), the survivors killed for never noticing
+    the failure, whether
     another node's launcher leads it (`followed`: its rank failed; the ranks here all survive), and whether a
     second failure made it give way (`fell_back`)."""
 
@@ -53,6 +54,7 @@ class Pending:
     unaware: set[int] = field(default_factory=set)
     followed: bool = False
     fell_back: bool = False  # a second failure made it give way to a full restart (said once)
+    spare: str = ""  # the spare node that started the lost node's ranks (the world kept its size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from common.net import listening
 from common.timing import ARRIVAL_S, MOVE_SETTLE_S, STORE_ASK_S, STORE_PROBE_S
+from launch import spares
 from launch.liveness import goes_on
 from trainer.contract import (
     COORD_STORE_ENV,
@@ -23,6 +24,8 @@ from trainer.contract import (
     coordination_store,
     failure_handled,
     publish_smaller_world,
+    publish_spare,
+    published_world,
     smaller_world_published,
 )
 
@@ -138,18 +141,20 @@ def _outvoted(agent, store, world: int, last_endpoint: bool) -> str:
 
 
 def smaller_world(agent, generation: int, min_nodes: int, waited_s: float,
-                  last_endpoint: bool = True) -> tuple[list[int], str] | None:
-    """Every rank here waits for ranks of a lost node: send the survivors on in a smaller world of
-    `generation`, on every node at once. The first launcher to publish its world (the ranks that came to
-    the recovery, in order) sets it for all (trainer.recovery.regroup.publish_smaller_world); the others find
-    it published and take it. Renumbers the agent's group. Returns (the lost ranks, why not: '' when this node
-    goes on in that world), or None to be asked again, `waited_s` after the recovery began (less than
-    ARRIVAL_S): the ranks here have not all come to it yet, or, after a store move, those of the nodes that
-    moved too (`_settled`). After a move the nodes that moved go on only as a majority (`_outvoted`)."""
+                  last_endpoint: bool = True) -> tuple[list[int], str, str] | None:
+    """Every rank here waits for ranks of a lost node: have a spare start them in its place (`_with_spare`), or
+    send the survivors on in a smaller world of `generation`, on every node at once. The first launcher to
+    publish its world (a spare's claim, or the ranks that came to the recovery, in order) sets it for all
+    (trainer.recovery.regroup.publish_spare, publish_smaller_world); the others find it published and take it.
+    Renumbers the agent's group for a smaller world. Returns (the lost ranks, why not: '' when this node goes on
+    in that world, the spare's node: '' without one), or None to be asked again, `waited_s` after the recovery
+    began (less than ARRIVAL_S): the ranks here have not all come to it yet, or, after a store move, those of the
+    nodes that moved too (`_settled`). After a move the nodes that moved go on only as a majority (`_outvoted`)."""
     local, world = set(agent.global_ranks().values()), agent.world_size()
     store = coordination_store(os.environ[COORD_STORE_ENV], agent.run_id(), agent.round(), 30.0)
     arrived = set(arrived_ranks(store, generation, world))
-    if not smaller_world_published(store, generation):
+    decided = published_world(store, generation)
+    if decided is None:
         nodes = agent.meeting.nodes_of(arrived)
         lost = sorted(set(range(world)) - arrived)
         moved_short = agent.move.adopted_at is not None and min_nodes > (nodes or 1)  # the others may come yet
@@ -157,16 +162,41 @@ def smaller_world(agent, generation: int, min_nodes: int, waited_s: float,
             if waited_s < ARRIVAL_S:
                 return None
             if not local <= arrived:
-                return lost, f"rank(s) {sorted(local - arrived)} here did not come to the recovery"
-        if min_nodes > (nodes or 1):
-            return lost, f"--nnodes needs {min_nodes} nodes at least; {nodes or 'fewer'} are left"
-        if outvoted := _outvoted(agent, store, world, last_endpoint):
-            return lost, outvoted
-        if agent.nodes_waiting():
-            return lost, "a node is waiting to join"
-    ranks = publish_smaller_world(store, generation, sorted(arrived))
+                return lost, f"rank(s) {sorted(local - arrived)} here did not come to the recovery", ""
+        decided = _with_spare(agent, store, generation, lost) if agent.move.adopted_at is None else None
+        if decided is None and (why := _cannot_go_on(agent, store, world, min_nodes, nodes, last_endpoint)):
+            return lost, why, ""
+    ranks = publish_smaller_world(store, generation, sorted(arrived)) if "spare" not in (decided or {}) else {}
+    if not ranks:  # a spare takes the lost node's place (claimed here or by another launcher)
+        spare = (decided if decided and "spare" in decided else published_world(store, generation))["spare"]
+        return spare["ranks"], "", spare["spare"]
     lost = sorted(set(range(world)) - set(ranks))
     if not local <= set(ranks):
-        return lost, "the other nodes went on without this node's ranks (they came to the recovery too late)"
+        return lost, "the other nodes went on without this node's ranks (they came to the recovery too late)", ""
     agent.renumber(ranks)
-    return lost, ""
+    return lost, "", ""
+
+
+def _cannot_go_on(agent, store, world: int, min_nodes: int, nodes: int | None, last_endpoint: bool) -> str:
+    """Why the survivors cannot go on in a smaller world ('' when they can)."""
+    if min_nodes > (nodes or 1):
+        return f"--nnodes needs {min_nodes} nodes at least; {nodes or 'fewer'} are left"
+    if outvoted := _outvoted(agent, store, world, last_endpoint):
+        return outvoted
+    return "a node is waiting to join" if agent.nodes_waiting() else ""
+
+
+def _with_spare(agent, store, generation: int, lost: list[int]) -> dict | None:
+    """A registered spare claimed for the lost ranks (exactly one node's) and published as `generation`'s world;
+    returns what stands then (another launcher's world, maybe), or None: no spare answered, or the lost ranks
+    are not one node's."""
+    place = agent.place_of(lost)
+    if place is None:
+        return None
+    claim = spares.claim(os.environ[COORD_STORE_ENV], agent.run_id(), {**place, "generation": generation})
+    if claim is None:
+        return None
+    stood = publish_spare(store, generation, claim)
+    if stood.get("spare", {}).get("index") != claim["index"]:
+        spares.release(os.environ[COORD_STORE_ENV], agent.run_id(), claim)
+    return stood

@@ -23,12 +23,14 @@ import pytest
 
 from tests.fixtures import freeze_tree, kill_tree, rendezvous_host
 from tests.helpers import (
+    KNOWN_PEAK,
     finish,
     free_port,
     launch,
     launcher_beats,
     node_beat,
     read_metrics,
+    run_trainer,
     wait_for_event,
     wait_for_one_group,
     wait_for_step,
@@ -89,7 +91,8 @@ def test_a_node_silent_without_a_word_is_gone_on_without_and_rejoins_when_it_wak
     assert 4 < resume["recovery_s"] < 20, resume  # from the lost node's last sign of life: the silence counts
     assert "memory snapshot of 2 rank(s)" in out and "resharded to 1" in out, out[-3000:]
     assert re.search(r"going on in process as rank 0 of 1 \(was rank [01] of 2\)", out), out[-3000:]
-    assert "telling the ranks here to leave generation 0" in out and "going on without them" in out, out[-3000:]
+    assert "telling the ranks here to leave generation 0" in out, out[-3000:]
+    assert "going on in process (restart 1 of" in out, out[-3000:]
     failure = next(e for e in events if e["event"] == "failure")
     assert (failure["cause"], failure["path"]) == ("node", "in-process") and failure["rank"] in (0, 1), failure
     # The woken node rejoined: the survivor restarted its group with it (a node waiting), a world of 2 again.
@@ -231,6 +234,61 @@ def test_a_node_lost_leaves_survivors_on_two_nodes_that_go_on_in_process_in_a_sm
     assert len(resumes) == 2 and all(e["tier"] == "memory-reshard" and e["lost_steps"] <= 2 for e in resumes), resumes
     assert sum("going on in process as rank" in out and "of 2 (was rank" in out for out in outs) == 2, outs
     assert read_metrics(tmp_path)[40]["step"] == 40
+
+
+def test_a_spare_takes_a_lost_nodes_place_in_process_and_the_run_stays_bit_identical(cache_dir, tmp_path):
+    """`--nnodes 1:2`, one rank per node, each node its own memory directory: two launchers train; a third waits
+    as a spare (the job is full). SIGKILL the launcher that does not host the store, with its rank (a lost node).
+    The survivor's launcher claims the spare, which leaves torch's redundancy list and starts the lost rank in
+    the recovery's generation, the world size unchanged: the survivor keeps its process, the spare's rank
+    restores the lost node's state from the survivor's peer copy (`memory-peer`), nobody restarts, and every
+    loss is bit-identical to an uninterrupted run of the same world."""
+    steps = 60
+    run = ["train.steps=60", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
+           "fault.straggler_factor=0"]
+    reference = tmp_path / "reference"
+    run_trainer(reference, [*run, "train.log_every=1", "train.eval_every=0", KNOWN_PEAK], nproc=2)
+    run_dir = tmp_path / "run"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=spare-in-process"]
+
+    def node(name: str, env: dict | None = None) -> subprocess.Popen:
+        return launch(run_dir, [*run, "checkpoint.memory_every=1", f"checkpoint.memory_dir={tmp_path / name}"],
+                      nproc=1, extra_args=args, env=env)
+
+    slow = {"REKINDLE_SLOW_RANK": "0:0.25@1-60"}  # the run outlasts the spare's start
+    procs = [node("shm-a", slow), node("shm-b", slow)]
+    spare = None
+    try:
+        wait_for_event(run_dir, "rendezvous", count=2, launchers=procs)
+        wait_for_one_group(run_dir, procs, 2)
+        spare = node("shm-s", slow)
+        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=[*procs, spare])
+        host = procs[rendezvous_host(run_dir, procs)]
+        victim = next(p for p in procs if p is not host)
+        kept = node_beat(run_dir, host.pid).pid
+        lost_rank = node_beat(run_dir, victim.pid).rank
+        kill_tree(victim.pid)
+        (joined,) = wait_for_event(run_dir, "spare_joined", timeout=60, launchers=[host, spare])
+        wait_for_event(run_dir, "in_process_done", timeout=60, launchers=[host, spare])
+        after = node_beat(run_dir, host.pid)
+        outs = [finish(p, timeout=120) for p in (host, spare)]
+    finally:
+        for p in [*procs, *([spare] if spare else [])]:
+            kill_tree(p.pid)
+    assert [host.returncode, spare.returncode] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert after.pid == kept and after.generation == 1, after  # the survivor kept its process
+    assert joined["in_process"] and joined["generation"] == 1 and joined["ranks"] == [lost_rank], joined
+    events = read_events(run_dir)
+    assert not [e for e in events if e["event"] in ("restart", "in_process_fallback")], events
+    assert [e for e in events if e["event"] == "rendezvous"][3:] == [], events  # nobody met again
+    (done,) = [e for e in events if e["event"] == "in_process_done"]
+    assert done["spare"] == f"{socket.gethostname()}:{spare.pid}" and done["kept_pids"] == [kept], done
+    resumes = {e["tier"] for e in events if e["event"] == "resume" and e["time"] > joined["time"] - 5}
+    assert "memory-peer" in resumes, events[-12:]
+    assert "world 1 (gloo" not in "".join(outs), outs[0][-3000:]
+    ours, theirs = read_metrics(run_dir), read_metrics(reference)
+    assert sorted(ours) == list(range(1, steps + 1))
+    assert [ours[s]["loss"] for s in ours] == [theirs[s]["loss"] for s in ours]
 
 
 def test_the_job_moves_down_the_endpoint_list_when_the_rendezvous_host_is_lost(cache_dir, tmp_path):

@@ -8,7 +8,12 @@ namespace per node; root only): three launchers (`--nnodes 2:3`, one rank each, 
 2. Then the store host's namespace is removed with everything in it: the two other launchers move down the
    endpoint list and adopt their running ranks, which follow the store and go on in process as a world of
    2 (from the 3-rank memory snapshot resharded, node 0's part sent from the node that holds its peer copy),
-   keep their pids and finish."""
+   keep their pids and finish.
+
+A second test: two launchers (`--nnodes 1:2`) and a spare waiting beyond it, each in a namespace of its own;
+one node's link goes down (no connection is closed). The other node's launcher finds it silent, claims the
+spare, which starts the lost rank in process in its place: the survivor keeps its pid, the world keeps its
+size, and every loss is bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import pytest
 from tests import netns
 from tests.fixtures import kill_tree
 from tests.helpers import KNOWN_PEAK, REPO, SMOKE, child_env, launcher_beats, read_metrics, run_trainer, wait_for
-from trainer.runtime.protocol import read_events
+from trainer.runtime.protocol import read_events, read_heartbeats
 
 pytestmark = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "ok")
 
@@ -104,3 +109,65 @@ def test_a_rank_killed_then_the_store_host_removed_and_the_survivors_keep_their_
     kept = resumed[0]["step"]  # the steps of the 3-rank world: as the uninterrupted run's
     assert [ours[s]["loss"] for s in range(1, kept + 1)] == [theirs[s]["loss"] for s in range(1, kept + 1)]
 
+
+
+def test_a_node_whose_link_goes_down_is_replaced_by_a_spare_in_process_bit_identically(cache_dir, tmp_path):
+    steps = 40
+    run = [f"train.steps={steps}", *RUN[1:]]
+    reference = tmp_path / "reference"
+    run_trainer(reference, [*run, "checkpoint.memory_every=0"], nproc=2)  # the same world, uninterrupted
+    run_dir = tmp_path / "run"
+    with netns.Network(3) as net:
+        endpoint = f"{net.address(0)}:29400"
+        procs, logs = [], [tmp_path / f"node{i}.log" for i in range(3)]
+
+        def start(i: int) -> None:
+            cmd = [sys.executable, "-m", "launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}",
+                   "--rdzv-id=spare", f"--local-addr={net.address(i)}", str(SMOKE), f"run.dir={run_dir}", *run,
+                   "checkpoint.memory_every=1", f"checkpoint.memory_dir={tmp_path / f'shm{i}'}",
+                   "fault.node_silence_s=2"]
+            env = child_env(GLOO_SOCKET_IFNAME=netns.IFACE, REKINDLE_SLOW_RANK=f"0:0.25@1-{steps}")
+            procs.append(subprocess.Popen(net.run(i, cmd), cwd=REPO, env=env, stdout=logs[i].open("w"),
+                                          stderr=subprocess.STDOUT))
+
+        def explain() -> str:
+            tails = [f"--- node {i} (pid {p.pid}, exit {p.poll()})\n{log.read_text()[-2500:]}"
+                     for i, (p, log) in enumerate(zip(procs, logs, strict=True))]
+            return "\n".join([*tails, "--- events", *map(str, read_events(run_dir)[-20:])])
+
+        def beats(i: int):
+            return max(launcher_beats(run_dir, procs[i].pid), key=lambda b: b.generation, default=None)
+
+        start(0)
+        start(1)
+        try:
+            wait_for("2-node training", lambda: all(beats(i) and beats(i).step >= 3 for i in (0, 1)), 120,
+                     explain=explain)
+            start(2)
+            wait_for("the spare waiting", lambda: any(e["event"] == "spare_waiting" for e in read_events(run_dir)),
+                     60, explain=explain)
+            kept, lost_rank = beats(0).pid, beats(1).rank
+            net.cut(1)  # node 1's link down: nothing closes, nothing answers
+            wait_for("the spare in", lambda: any(e["event"] == "in_process_done" for e in read_events(run_dir)), 60,
+                     explain=explain)
+            after = beats(0)
+            spare = [b for d in run_dir.glob(f"heartbeats-*-{procs[2].pid}-*") for b in read_heartbeats(d).values()]
+            for p in (procs[0], procs[2]):
+                p.wait(timeout=120)
+            procs[1].wait(timeout=60)  # cut off: it stops its rank and exits 75
+        finally:
+            for p in procs:
+                kill_tree(p.pid)
+        assert [p.returncode for p in procs] == [0, 75, 0], explain()
+    assert after.pid == kept and after.generation == 1, (kept, after)
+    assert [(b.rank, b.generation) for b in spare] == [(lost_rank, 1)], spare
+    events = read_events(run_dir)
+    nodes = [f"{socket.gethostname()}:{p.pid}" for p in procs]
+    (joined,) = [e for e in events if e["event"] == "spare_joined"]
+    assert (joined["node"], joined["in_process"], joined["ranks"]) == (nodes[2], True, [lost_rank]), joined
+    done = [(e["node"], e["spare"], e["kept_pids"]) for e in events if e["event"] == "in_process_done"]
+    assert done == [(nodes[0], nodes[2], [kept])], done
+    assert not [e for e in events if e["event"] in ("restart", "in_process_fallback")], events
+    ours, theirs = read_metrics(run_dir), read_metrics(reference)
+    assert sorted(ours) == list(range(1, steps + 1))
+    assert [ours[s]["loss"] for s in ours] == [theirs[s]["loss"] for s in ours]

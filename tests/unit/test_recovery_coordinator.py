@@ -253,7 +253,7 @@ def test_a_followed_recovery_is_recorded_as_led_elsewhere_with_the_ranks_it_kept
     assert coordinator.unjudged_pids() == {100, 101, 102} and coordinator.pending.noticed == T0
     (note,) = coordinator.handle(settled())
     assert note.event == "in_process_done" and note.fields == dict(generation=1, replaced=[], kept_pids=[100, 101, 102],
-                                                                   led=False, kept_ranks=[0, 1, 2])
+                                                                   led=False, kept_ranks=[0, 1, 2], spare="")
     assert coordinator.policy.restarts == 0  # another node's failure: counted by its launcher
 
 

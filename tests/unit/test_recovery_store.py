@@ -5,6 +5,7 @@ on one smaller world, before and after a store move."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -12,11 +13,12 @@ from datetime import timedelta
 import pytest
 
 from common.clock import wait_until
-from common.timing import ARRIVAL_S, MOVE_SETTLE_S
-from launch.agent import Move
+from common.timing import ARRIVAL_S, MOVE_SETTLE_S, SPARE_ACK_S
+from launch.agent_hooks import Move
 from launch.liveness import Liveness
 from launch.recovery.store import StoreQuestions, announce, moved_here, smaller_world
 from launch.rounds import Round
+from launch.spares import SpareDoor
 from tests.fixtures import free_port
 from trainer.contract import (
     COORD_STORE_ENV,
@@ -141,6 +143,12 @@ class Node:
     def renumber(self, ranks: dict[int, int]) -> None:
         self.renumbered = ranks
 
+    def place_of(self, lost: list[int]) -> dict | None:
+        if frozenset(lost) not in self.meeting.ranks.values():
+            return None
+        return {"round": "r1", "ranks": sorted(lost), "group_rank": min(lost) // 2, "group_world_size": self.nodes,
+                "world": 2 * self.nodes, "nproc": 2, "master_addr": "127.0.0.1", "master_port": 1}
+
 
 def test_survivors_on_two_nodes_go_on_in_one_smaller_world_once_the_ranks_here_came(store_at):
     """Three nodes of two ranks, node 0 lost: node 1's launcher waits for its own ranks (None: asked again),
@@ -151,12 +159,13 @@ def test_survivors_on_two_nodes_go_on_in_one_smaller_world_once_the_ranks_here_c
     for rank in (2, 4, 5):
         store.set(arrived_key(1, rank), "{}")
     assert smaller_world(b, 1, 2, waited_s=0.1) is None  # rank 3 here is on its way
-    assert smaller_world(b, 1, 2, waited_s=ARRIVAL_S) == ([0, 1, 3], "rank(s) [3] here did not come to the recovery")
+    assert smaller_world(b, 1, 2, waited_s=ARRIVAL_S) == (
+        [0, 1, 3], "rank(s) [3] here did not come to the recovery", "")
     store.set(arrived_key(1, 3), "{}")
-    assert smaller_world(b, 1, 2, waited_s=0.2) == ([0, 1], "")
+    assert smaller_world(b, 1, 2, waited_s=0.2) == ([0, 1], "", "")
     assert b.renumbered == {2: 0, 3: 1, 4: 2, 5: 3}
     store.set(arrived_key(1, 1), "{}")  # a late survivor of node 0: the world stands as published
-    assert smaller_world(c, 1, 2, waited_s=0.2) == ([0, 1], "") and c.renumbered == b.renumbered
+    assert smaller_world(c, 1, 2, waited_s=0.2) == ([0, 1], "", "") and c.renumbered == b.renumbered
     late = Node(0, 3)
     assert smaller_world(late, 1, 1, waited_s=0.2)[1].startswith("the other nodes went on without this node")
 
@@ -172,7 +181,7 @@ def test_after_a_store_move_the_smaller_world_waits_for_the_nodes_that_moved(sto
         store.set(arrived_key(1, rank), "{}")
     assert smaller_world(b, 1, 1, waited_s=0.5) is None  # rank 5 of node 2 is on its way
     store.set(arrived_key(1, 5), "{}")
-    assert smaller_world(b, 1, 1, waited_s=0.5) == ([0, 1], "")  # every node but the lost host is here
+    assert smaller_world(b, 1, 1, waited_s=0.5) == ([0, 1], "", "")  # every node but the lost host is here
 
 
 def test_after_a_store_move_a_node_alone_waits_for_the_others_before_going_on(store_at):
@@ -192,4 +201,46 @@ def test_after_a_store_move_a_node_alone_waits_for_the_others_before_going_on(st
     moved_here(c)
     for rank in (2, 3, 4, 5):
         store.set(arrived_key(2, rank), "{}")
-    assert smaller_world(c, 2, 1, waited_s=0.5, last_endpoint=True) == ([0, 1, 6, 7], "")  # half, at the last
+    assert smaller_world(c, 2, 1, waited_s=0.5, last_endpoint=True) == ([0, 1, 6, 7], "", "")  # half, at the last
+
+
+def test_a_spare_claimed_for_a_lost_node_starts_its_ranks_and_the_other_survivors_follow(store_at):
+    """Three nodes of two ranks and a registered spare, node 0 lost: node 1's launcher claims the spare, which
+    sees its claim stand (the world published for generation 1 names it) and gets node 0's place: its ranks,
+    group rank and the world size. Node 2's launcher takes that answer and renumbers nothing. A second lost node
+    finds the spare gone (it joined): a smaller world."""
+    store = coordination_store(store_at, "job", "r1", 5.0)
+    door = SpareDoor(store_at, "job", "spare-1", 2)
+    door.open()
+    try:
+        b, c = Node(1, 3), Node(2, 3)
+        for rank in (2, 3, 4, 5):
+            store.set(arrived_key(1, rank), "{}")
+        assert smaller_world(b, 1, 1, waited_s=0.2) == ([0, 1], "", "spare-1")
+        assert smaller_world(c, 1, 1, waited_s=0.2) == ([0, 1], "", "spare-1")
+        assert b.renumbered is None and c.renumbered is None  # the world keeps its size
+        assert door.wait(5.0), "the spare never saw its claim stand"
+        claim = door.take()
+        assert (claim["generation"], claim["ranks"], claim["group_rank"], claim["world"]) == (1, [0, 1], 0, 6)
+        assert not door.claimed() and door.take() is None  # once
+        for rank in (2, 3):
+            store.set(arrived_key(2, rank), "{}")
+        assert smaller_world(b, 2, 1, waited_s=0.2) == ([0, 1, 4, 5], "", "")  # node 2 lost too: no spare left
+    finally:
+        door.close()
+
+
+def test_a_spare_whose_launcher_does_not_answer_is_passed_over_for_a_smaller_world(store_at):
+    """A spare registered but gone without a word (its launcher killed): the claim waits SPARE_ACK_S for its
+    answer, marks it gone, and the survivors go on in a smaller world."""
+    spares = coordination_store(store_at, "job", "spares", 5.0)
+    spares.add("count", 1)
+    spares.set("0", json.dumps({"node": "dead", "nproc": 2}))
+    store = coordination_store(store_at, "job", "r1", 5.0)
+    b = Node(1, 2)
+    for rank in (2, 3):
+        store.set(arrived_key(1, rank), "{}")
+    started = time.monotonic()
+    assert smaller_world(b, 1, 1, waited_s=0.2) == ([0, 1], "", "")
+    assert SPARE_ACK_S <= time.monotonic() - started < SPARE_ACK_S + 2.0
+    assert spares.check(["0/gone"]) and spares.get("0/claim") == b""

@@ -15,6 +15,8 @@ What is private, and why there is no public way:
   (`drop_fsdp_unsharded_grads`).
 - torchelastic's agent methods (`ELASTIC_AGENT_METHODS`), overridden by launch/agent.py: the agent
   has no public hooks for start, stop, restart and monitoring.
+- The c10d rendezvous's state-machine actions (`rendezvous_actions`): a spare claimed for a lost node leaves
+  its redundancy list through them (launch.rounds.claimable); the rendezvous has no public way out.
 Public where this torch has it: FsspecReader/FsspecWriter (torch.distributed.checkpoint from 2.15,
 before that only in the private `_fsspec_filesystem`).
 """
@@ -82,6 +84,11 @@ def check_elastic_agent(agent: Any) -> None:
     missing = [name for name in ELASTIC_AGENT_METHODS + ELASTIC_AGENT_FIELDS if not hasattr(agent, name)]
     if missing:
         raise _missing(f"torchelastic's LocalElasticAgent.{', .'.join(missing)}")
+
+
+def rendezvous_actions() -> Any:
+    """The c10d dynamic rendezvous's state-machine actions (its private `_Action` enum)."""
+    return _private("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_Action")
 
 
 FSDP_GROUP_FIELDS = ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group")

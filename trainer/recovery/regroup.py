@@ -64,14 +64,27 @@ def publish_smaller_world(store: dist.Store, generation: int, survivors: list[in
     """The launcher's side: the ranks of `survivors` go on as ranks 0..n-1 (in their order) in
     `generation`, unless another node's launcher published its world for `generation` first (one atomic
     compare-and-set: the survivors on every node meet in the same world). Returns the world that stands,
-    old rank -> new rank."""
+    old rank -> new rank; {} when what stands is a spare taking the lost node's place (`publish_spare`)."""
     ranks = {old: new for new, old in enumerate(sorted(survivors))}
-    stood = store.compare_set(keys.world_key(generation), "", json.dumps({"ranks": ranks}))
-    return _world(stood)
+    return _world(store.compare_set(keys.world_key(generation), "", json.dumps({"ranks": ranks})))
+
+
+def publish_spare(store: dist.Store, generation: int, claim: dict) -> dict:
+    """The launcher's side: a spare node (`claim`, launch.spares) starts the lost node's ranks in `generation`,
+    the world the same, unless another launcher published a world for `generation` first (the same
+    compare-and-set as `publish_smaller_world`). Returns what stands: {"spare": claim} or {"ranks": ...}."""
+    return json.loads(store.compare_set(keys.world_key(generation), "", json.dumps({"spare": claim})))
+
+
+def published_world(store: dist.Store, generation: int) -> dict | None:
+    """What stands for `generation` ({"ranks": ...}: a smaller world; {"spare": ...}: a spare's ranks replace
+    the lost ones), or None."""
+    key = keys.world_key(generation)
+    return json.loads(store.get(key)) if store.check([key]) else None
 
 
 def _world(value: bytes | str) -> dict[int, int]:
-    return {int(old): new for old, new in json.loads(value)["ranks"].items()}
+    return {int(old): new for old, new in json.loads(value).get("ranks", {}).items()}
 
 
 def smaller_world_published(store: dist.Store, generation: int) -> bool:
@@ -292,8 +305,15 @@ class Regroup:
         (a node was lost); None as soon as `stop()` (a SIGTERM); RejoinFailed after `timeout_s`."""
         arrivals = [keys.arrived_key(generation, r) for r in range(self.world)]
         world_key = keys.world_key(generation)
-        if not wait_until(lambda: self.store.check(arrivals) or stop() or self.store.check([world_key]),
-                          self.timeout_s, POLL_S):
+        spare = [False]  # a spare's ranks take the lost ones' places: they are waited for, as replacements
+
+        def smaller() -> bool:
+            if spare[0] or not self.store.check([world_key]):
+                return False
+            spare[0] = "spare" in json.loads(self.store.get(world_key))
+            return not spare[0]
+
+        if not wait_until(lambda: self.store.check(arrivals) or stop() or smaller(), self.timeout_s, POLL_S):
             missing = [r for r, k in enumerate(arrivals) if not self.store.check([k])]
             raise RejoinFailed(f"in-process recovery: rank(s) {missing} did not come back within "
                                f"{self.timeout_s:.0f}s")
