@@ -41,7 +41,7 @@ from common.timing import EXIT_BARRIER_S, SURVIVOR_GRACE_S
 from launch.agent_hooks import GroupStatus, HandedOver, Hooks, Move, NoRestartLeft, Stopping
 from launch.failures import drop_torn_error_file, rank_exit
 from launch.rendezvous import store_lost
-from launch.rounds import Round, SpareClaimed, claimable, nodes_that_left, spare_store
+from launch.rounds import Round, SpareClaimed, claimable, keep_seat, nodes_that_left, spare_store
 from launch.spares import SpareDoor
 from trainer.contract import COORD_STORE_ENV, GENERATION_ENV, ROUND_ENV, check_elastic_agent, is_alive
 
@@ -237,6 +237,7 @@ class SupervisedAgent(LocalElasticAgent):
         worker_group.master_addr, worker_group.master_port = claim["master_addr"], claim["master_port"]
         self.meeting, self.door.joined = Round(claim["round"]), claim
         os.environ.update({ROUND_ENV: claim["round"], GENERATION_ENV: str(claim["generation"])})
+        keep_seat(self.spec.rdzv_handler)
         return True
 
     def _initialize_workers(self, worker_group) -> None:

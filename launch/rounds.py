@@ -2,7 +2,8 @@
 round just met and its nodes (`round_of`), which global ranks each node holds (`ranks_by_node`), and which
 nodes of a round came back to meet again (`nodes_that_left`); the keep-alive of a lost store's
 rendezvous, stopped (`stop_keep_alive`); and a spare's way out of torch's join loop when a launcher claims
-it for a lost node (`claimable`, `SpareClaimed`, `spare_store`; launch.spares). With launch.agent, the only code that
+it for a lost node, seated in its place (`claimable`, `SpareClaimed`, `spare_store`, `keep_seat`;
+launch.spares). With launch.agent, the only code that
 touches torchelastic's internals: when a torch release moves them, each reader falls back to what it can
 still say."""
 
@@ -99,10 +100,10 @@ class SpareClaimed(Exception):
 
 def claimable(handler, door) -> None:
     """Let a claim of `door` (launch.spares.SpareDoor) take this node out of the rendezvous's join loop: it
-    leaves the redundancy list (or the wait list) and `SpareClaimed` is raised. While it waits as a spare, torch's
-    one-second pauses between looks are cut short by a claim, and when a node of the running round is gone it
-    stays in the redundancy list for a while (`SpareDoor.hold`) instead of moving to the wait list. Nothing
-    when torch moved its internals (a spare then joins at the next rendezvous only)."""
+    takes the lost node's seat in the round (`_Claimable._seat`) and `SpareClaimed` is raised. While it waits
+    as a spare, torch's one-second pauses between looks are cut short by a claim, and when a node of the
+    running round is gone it stays in the redundancy list for a while (`SpareDoor.hold`) instead of moving to
+    the wait list. Nothing when torch moved its internals (a spare then joins at the next rendezvous only)."""
     try:
         actions, inner = rendezvous_actions(), handler._op_executor
     except (ImportError, AttributeError):
@@ -125,12 +126,7 @@ class _Claimable:
         def handle(ctx, deadline):
             state = ctx.state
             if door.claimed():
-                if ctx.node in state.redundancy_list:
-                    return actions.REMOVE_FROM_REDUNDANCY_LIST
-                if ctx.node in state.wait_list:
-                    return actions.REMOVE_FROM_WAIT_LIST
-                if ctx.node not in state.participants:
-                    raise SpareClaimed("claimed for a lost node's place")
+                return self._seat(ctx)
             action = state_handler(ctx, deadline)
             if not door.is_open or ctx.node not in state.redundancy_list:
                 return action
@@ -141,9 +137,32 @@ class _Claimable:
             # Wait for a claim instead of torch's pause; or, a node of the running round gone (its keep-alive
             # expired), instead of moving to the wait list, which would restart the survivors' group: they may
             # claim this spare in process first. Then keep alive, as torch would.
-            return actions.REMOVE_FROM_REDUNDANCY_LIST if door.wait(1.0) else actions.KEEP_ALIVE
+            return self._seat(ctx) if door.wait(1.0) else actions.KEEP_ALIVE
 
         return handle
+
+    def _seat(self, ctx):
+        """Take the lost node's seat among the round's participants (its group rank), so that torch counts the
+        round whole again (a node started later is a spare, not a node joining), and keep alive: the executor
+        writes the state (and, when another node wrote first, reads it and asks again). Once seated, or when
+        the round moved on, `SpareClaimed` ends the join loop."""
+        state, claim = ctx.state, self._door.standing()
+        if ctx.node in state.participants or f"r{state.round}" != claim["round"]:
+            raise SpareClaimed("claimed for a lost node's place")
+        for node in [n for n, rank in state.participants.items() if rank == claim["group_rank"]]:
+            del state.participants[node]
+            state.last_heartbeats.pop(node, None)
+        state.redundancy_list.discard(ctx.node)
+        state.wait_list.discard(ctx.node)
+        state.participants[ctx.node] = claim["group_rank"]
+        return self._actions.KEEP_ALIVE
+
+
+def keep_seat(handler) -> None:
+    """A spare seated in a lost node's place keeps its seat alive, as a node that met in the round does."""
+    start = getattr(handler, "_start_heartbeats", None)
+    if start is not None:
+        start()
 
 
 def spare_store(handler, name: str):

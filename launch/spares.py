@@ -95,6 +95,10 @@ class SpareDoor:
         """Wait up to `timeout_s` for a claim that stands; whether one came."""
         return self._claimed.wait(timeout_s)
 
+    def standing(self) -> dict | None:
+        """The claim that stands, not taken yet."""
+        return self._claim
+
     def take(self) -> dict | None:
         """The claim that stands, once (the spare joins with it: it is a spare no more)."""
         claim, self._claim = self._claim, None

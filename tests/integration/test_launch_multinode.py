@@ -242,7 +242,8 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_and_the_run_stays_bit_ident
     The survivor's launcher claims the spare, which leaves torch's redundancy list and starts the lost rank in
     the recovery's generation, the world size unchanged: the survivor keeps its process, the spare's rank
     restores the lost node's state from the survivor's peer copy (`memory-peer`), nobody restarts, and every
-    loss is bit-identical to an uninterrupted run of the same world."""
+    loss is bit-identical to an uninterrupted run of the same world. A launcher started then waits as the next
+    spare (the spare took the lost node's seat in torch's round), and exits 0 when the job ends."""
     steps = 60
     run = ["train.steps=60", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
            "fault.straggler_factor=0"]
@@ -271,16 +272,20 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_and_the_run_stays_bit_ident
         (joined,) = wait_for_event(run_dir, "spare_joined", timeout=60, launchers=[host, spare])
         wait_for_event(run_dir, "in_process_done", timeout=60, launchers=[host, spare])
         after = node_beat(run_dir, host.pid)
-        outs = [finish(p, timeout=120) for p in (host, spare)]
+        # The spare took the lost node's seat in the round: torch counts it whole, so a node started now waits as
+        # the next spare instead of joining (which would drain and restart the group).
+        procs.append(node("shm-t"))
+        wait_for_event(run_dir, "spare_waiting", count=2, timeout=60, launchers=[host, spare, procs[-1]])
+        outs = [finish(p, timeout=120) for p in (host, spare, procs[-1])]
     finally:
         for p in [*procs, *([spare] if spare else [])]:
             kill_tree(p.pid)
-    assert [host.returncode, spare.returncode] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert [host.returncode, spare.returncode, procs[-1].returncode] == [0, 0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert after.pid == kept and after.generation == 1, after  # the survivor kept its process
     assert joined["in_process"] and joined["generation"] == 1 and joined["ranks"] == [lost_rank], joined
     events = read_events(run_dir)
     assert not [e for e in events if e["event"] in ("restart", "in_process_fallback")], events
-    assert [e for e in events if e["event"] == "rendezvous"][3:] == [], events  # nobody met again
+    assert [e for e in events if e["event"] == "rendezvous"][4:] == [], events  # nobody met again (4 launchers)
     (done,) = [e for e in events if e["event"] == "in_process_done"]
     assert done["spare"] == f"{socket.gethostname()}:{spare.pid}" and done["kept_pids"] == [kept], done
     resumes = {e["tier"] for e in events if e["event"] == "resume" and e["time"] > joined["time"] - 5}
