@@ -2,13 +2,17 @@
 check the result against an uninterrupted run of the same config and print what recovery cost.
 
     python scripts/chaos.py configs/smoke.yaml --kills 5 --interval 60 train.steps=6000
+    python scripts/chaos.py configs/smoke.yaml --nodes 3 --nproc 1 --spares 1 --signals KILL,STOP,TERM,NODE ...
 
 Signals: SIGKILL (crash), SIGSTOP (hang: found by the watchdog after fault.hang_timeout_s) and
 SIGTERM to one rank (preemption: the ranks commit an emergency checkpoint and exit 75). With
 `--nodes N` (N launchers on loopback, one rendezvous, each with its own memory directory) there is
 also NODE, a lost node: one launcher and its ranks SIGKILLed, its memory directory deleted, and a
 replacement launcher started with an empty one (node 0 hosts the rendezvous store and is never the
-one lost). The reference run is one launcher with the same world size. At the end:
+one lost). With `--spares K` (several nodes) the job runs under `--nnodes 1:N` with K more launchers
+waiting as spares once it trains: a lost node's ranks are started in process on a spare (launch/spares.py),
+and the replacement launcher waits as the next spare. The reference run is one launcher with the same world
+size. At the end:
 per-step losses and final parameters compared bit for bit with the reference run (CPU, same world
 size), each recovery split into detection (kill -> failure noticed), restart (kill the group,
 rendezvous, spawn, import, build), checkpoint load and first step, the tier the state came from
@@ -60,28 +64,43 @@ def launcher(config: str, run_dir: Path, nproc: int, overrides: list[str], log: 
 
 
 class Nodes:
-    """The chaos run's launchers, one per node, on loopback: node 0 hosts the rendezvous; each node has
-    its own memory directory under the run's, as separate machines would."""
+    """The chaos run's launchers, one per node, on loopback (and its spares): node 0 hosts the rendezvous; each
+    launcher has its own memory directory under the run's, as separate machines would."""
 
     def __init__(self, args: argparse.Namespace, run_dir: Path, log: Path, overrides: list[str]) -> None:
         self.args, self.run_dir, self.log, self.overrides = args, run_dir, log, overrides
         self.node_args: list[str] = []
+        self.memory: dict[int, Path] = {}  # launcher pid -> its memory directory
         if args.nodes > 1:
-            self.node_args = [f"--nnodes={args.nodes}", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                              "--rdzv-id=chaos"]
+            nnodes = f"1:{args.nodes}" if args.spares else str(args.nodes)
+            self.node_args = [f"--nnodes={nnodes}", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=chaos"]
         self.procs = [self.start(node) for node in range(args.nodes)]
 
-    def memory_dir(self, node: int) -> Path:
-        return self.run_dir.parent / f"{self.run_dir.name}-memory-node{node}"
-
     def start(self, node: int) -> subprocess.Popen:
-        overrides = self.overrides
+        overrides, memory = self.overrides, self.run_dir.parent / f"{self.run_dir.name}-memory-node{node}"
         if self.args.nodes > 1:
-            overrides = [*overrides, f"checkpoint.memory_dir={self.memory_dir(node)}"]
+            overrides = [*overrides, f"checkpoint.memory_dir={memory}"]
         proc = launcher(self.args.config, self.run_dir, self.args.nproc, overrides, self.log, self.node_args)
+        self.memory[proc.pid] = memory
         if node == 0 and self.args.nodes > 1:
             wait_for_rendezvous_host(self.run_dir, 120, proc)  # the first launcher hosts the rendezvous store
         return proc
+
+    def add_spares(self, deadline: float) -> None:
+        """Start --spares launchers beyond --nnodes MAX, once the job trains; wait until each waits as a spare."""
+        for _ in range(self.args.spares):
+            self.procs.append(self.start(len(self.memory)))
+        while sum(e["event"] == "spare_waiting" for e in read_events(self.run_dir)) < self.args.spares:
+            if time.time() > deadline or not self.running():
+                raise RuntimeError("the spares did not come to wait")
+            time.sleep(0.1)
+
+    def ranks_of(self, i: int) -> set[int]:
+        """The ranks launcher `i` runs now (a spare takes a lost node's; a restart may renumber them)."""
+        return {r for d in self.run_dir.glob(f"heartbeats-*-{self.procs[i].pid}-*") for r in read_heartbeats(d)}
+
+    def holding(self, rank: int) -> int:
+        return next(i for i in range(len(self.procs)) if rank in self.ranks_of(i))
 
     def running(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -95,11 +114,13 @@ class Nodes:
         return beats
 
     def lose(self, node: int) -> None:
-        """A lost node: the launcher and its ranks SIGKILLed, its memory gone; a replacement joins."""
-        kill_tree(self.procs[node].pid)
-        self.procs[node].wait(timeout=60)
-        shutil.rmtree(self.memory_dir(node), ignore_errors=True)
-        self.procs[node] = self.start(node)
+        """A lost node: the launcher and its ranks SIGKILLed, its memory gone; a replacement joins (with
+        spares: it waits as the next spare)."""
+        lost = self.procs.pop(node)
+        kill_tree(lost.pid)
+        lost.wait(timeout=60)
+        shutil.rmtree(self.memory[lost.pid], ignore_errors=True)
+        self.procs.append(self.start(len(self.memory)))
 
     def wait(self, deadline: float) -> int:
         """The first launcher's exit code, once every launcher has exited (the worst one if it is 0)."""
@@ -154,6 +175,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=60.0, help="mean seconds of training between kills")
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--nodes", type=int, default=1, help="launchers on loopback, one per node (NODE needs 2+)")
+    p.add_argument("--spares", type=int, default=0, help="launchers waiting as spares (--nodes 2+)")
     p.add_argument("--signals", default="KILL,KILL,KILL,STOP,TERM", type=signal_names,
                    help="comma-separated KILL, STOP, TERM, NODE (SIG prefix optional); drawn without "
                         "replacement, then repeated")
@@ -161,8 +183,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="runs/chaos")
     p.add_argument("--timeout", type=float, default=3600)
     args = p.parse_intermixed_args()
-    if "NODE" in args.signals and args.nodes < 2:
-        p.error("NODE (a lost node) needs --nodes 2 or more")
+    if ("NODE" in args.signals or args.spares) and args.nodes < 2:
+        p.error("NODE (a lost node) and --spares need --nodes 2 or more")
     return args
 
 
@@ -205,9 +227,11 @@ def run_with_kills(args: argparse.Namespace, run_dir: Path, log: Path, rng: rand
         if not beats:
             print("[chaos] the run ended before all kills were made")
             break
+        if args.spares and len(nodes.procs) == args.nodes:
+            nodes.add_spares(deadline)
         if name == "NODE":
-            node = rng.randrange(1, args.nodes)  # node 0 hosts the rendezvous
-            rank = node * args.nproc
+            rank = rng.choice(sorted(set(beats) - nodes.ranks_of(0)))  # node 0 hosts the rendezvous
+            node = nodes.holding(rank)
         else:
             rank = rng.randrange(len(beats))
         beat = beats[rank]

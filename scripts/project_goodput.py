@@ -5,11 +5,14 @@
 
 This script owns the projection only: it reads the launcher's ledgers (`events.jsonl`, launch/ledger.py),
 takes the median of each measured recovery component over their `resume` events (a missing `path` reads
-as "restart"; `path: "in-process"` events give leave, wait + re-form, restore and first step), falls back to
-built-in values for every component no file measured (the output says which), and projects three
+as "restart"; `path: "in-process"` events give leave, wait + re-form, restore and first step; those a spare
+ended, named by the `in_process_done` event after them, give the survivors' wait for the spare), falls back
+to built-in values for every component no file measured (the output says which), and projects four
 strategies: durable (every rank restarts and loads the durable checkpoint, losing half a checkpoint
-interval), memory (every rank restarts, state from the memory tier) and in-process (only the failed
-rank restarts; the survivors keep their processes, CUDA contexts, store connections and state).
+interval), memory (every rank restarts, state from the memory tier), in-process (only the failed rank
+restarts; the survivors keep their processes, CUDA contexts, store connections and state; a lost node's
+survivors go on in a smaller world, and the world restarts from memory when a node joins) and in-process with
+spares (a lost node's ranks start on a spare in process, the survivors waiting for them).
 
 Model, per strategy and GPU count N: failures arrive as a Poisson process of rate lam = N / mtbf_hours
 (the per-GPU rate is constant); each costs R(N) seconds of recovery, during which the whole job waits
@@ -52,8 +55,9 @@ from pathlib import Path
 
 from trainer.runtime.protocol import EVENTS_FILE, read_jsonl
 
-STRATEGIES = ("durable", "memory", "in-process")
-LABELS = {"durable": "restart world, durable", "memory": "restart world, memory", "in-process": "in-process"}
+STRATEGIES = ("durable", "memory", "in-process", "in-process-spares")
+LABELS = {"durable": "restart world, durable", "memory": "restart world, memory",
+          "in-process": "in-process, node rejoins by restart", "in-process-spares": "in-process, spares in process"}
 POSITIVE = ("mtbf_hours", "gpus_per_node", "store_ref_ranks", "nccl_ref_ranks", "storage_gbps", "client_gbps",
             "peer_gbps")  # divisors; the other assumptions may be 0
 LLAMA3_GPU_HOURS_PER_FAILURE = 16384 * 54 * 24 / 419  # sec. 3.3.4: 419 unexpected interruptions, 54 days
@@ -113,6 +117,7 @@ class Measured:
     restore_s: float = 0.087
     inproc_first_step_s: float = 0.236
     lost_steps_inprocess: float = 0.0
+    spare_s: float = 1.0  # the survivors' wait for a spare's ranks and re-forming (test_launch_multinode, 2026-12-07)
     sources: dict[str, str] = field(default_factory=dict)  # field -> "median of k"; absent: built-in
     runs: list[str] = field(default_factory=list)
 
@@ -159,6 +164,9 @@ def measure(paths: list[Path]) -> Measured:
         if done and "goodput" in done:
             summary += f", run goodput {100 * done['goodput']:.1f}% over {done.get('wall_s', 0):.0f} s"
         m.runs.append(summary)
+        for r in _spare_resumes(events):
+            if isinstance(r.get("wait_s"), (int, float)) and isinstance(r.get("reform_s"), (int, float)):
+                add("spare_s", r["wait_s"] + r["reform_s"])
         for r in resumes:
             if r.get("path", "restart") == "in-process":
                 for key, name in (("leave_s", "leave_s"), ("restore_s", "restore_s"),
@@ -181,22 +189,40 @@ def measure(paths: list[Path]) -> Measured:
     return m
 
 
+def _spare_resumes(events: list[dict]) -> list[dict]:
+    """The in-process resumes a spare ended: each the last one of its node before an `in_process_done` event that
+    names a spare (the launcher writes it once its ranks' first step is done)."""
+    found = []
+    for done in (e for e in events if e["event"] == "in_process_done" and e.get("spare")):
+        before = [e for e in events if e["event"] == "resume" and e.get("path") == "in-process"
+                  and e.get("node") == done.get("node") and done["time"] - 10 <= e["time"] <= done["time"]]
+        found += before[-1:]
+    return found
+
+
 def recovery(m: Measured, a: Assumptions, gpus: int) -> dict[str, tuple[float, float]]:
     """Per strategy: (seconds the job waits per failure, seconds of work redone per failure)."""
     nodes = max(gpus / a.gpus_per_node, 1.0)
     tail = 1 + a.startup_cv * math.sqrt(2 * math.log(nodes))
     store = a.store_ref_s * gpus / a.store_ref_ranks
     nccl = a.nccl_base_s + a.nccl_ref_s * (gpus / a.nccl_ref_ranks) ** a.nccl_exp
-    replace_s = 0.0 if a.hot_spares else a.hw_fraction * a.node_replace_s
+    replace_s = 0.0 if a.hot_spares else a.hw_fraction * a.node_replace_s  # the job waits for a node
     peer = a.state_gb_per_gpu / a.peer_gbps  # the replaced node's ranks copy their state from a peer
     durable_load = m.load_durable_s + a.state_gb_per_gpu / min(a.client_gbps, a.storage_gbps / gpus)
-    common = m.detect_s + a.detect_extra_s + replace_s
-    world = common + (m.spawn_s + m.startup_s + a.gpu_init_s) * tail + store + nccl + m.first_step_s
-    inproc = (common + m.leave_s + m.reform_s + a.gpu_init_s + a.barrier_us_per_rank * 1e-6 * gpus
-              + a.reform_comm_fraction * nccl + m.restore_s + peer + m.inproc_first_step_s)
-    return {"durable": (world + durable_load, a.checkpoint_interval_min * 60 / 2),
-            "memory": (world + m.load_memory_s + peer, (m.lost_steps_memory + 0.5) * a.step_s),
-            "in-process": (inproc, (m.lost_steps_inprocess + 0.5) * a.step_s)}
+    detect = m.detect_s + a.detect_extra_s
+    world = detect + (m.spawn_s + m.startup_s + a.gpu_init_s) * tail + store + nccl + m.first_step_s
+    regroup = (a.gpu_init_s + a.barrier_us_per_rank * 1e-6 * gpus + a.reform_comm_fraction * nccl + m.restore_s
+               + peer + m.inproc_first_step_s)
+    inproc = detect + m.leave_s + m.reform_s + regroup  # a failed rank: replaced alone
+    spare = detect + m.leave_s + m.spare_s + regroup  # a lost node: its ranks started on a spare
+    memory = world + m.load_memory_s + peer
+    hw, redo = a.hw_fraction, (m.lost_steps_inprocess + 0.5) * a.step_s
+    # Without spares in process, a lost node's survivors go on in a smaller world (in process, waiting for no
+    # node), and the world restarts from memory when a node joins: both, for the hardware share of failures.
+    return {"durable": (replace_s + world + durable_load, a.checkpoint_interval_min * 60 / 2),
+            "memory": (replace_s + memory, (m.lost_steps_memory + 0.5) * a.step_s),
+            "in-process": (inproc + hw * memory, redo + hw * (m.lost_steps_memory + 0.5) * a.step_s),
+            "in-process-spares": (replace_s + (1 - hw) * inproc + hw * spare, redo)}
 
 
 def project(m: Measured, a: Assumptions, gpus: int) -> list[Row]:
@@ -240,7 +266,7 @@ def plot(m: Measured, a: Assumptions, gpus: list[int], out: Path) -> None:
 
     xs = sorted({round(2 ** (k / 4)) for k in range(36, 69)} | set(gpus))  # 512 .. 131072
     fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
-    for strategy, style in zip(STRATEGIES, ("-", "--", "-."), strict=True):
+    for strategy, style in zip(STRATEGIES, ("-", "--", "-.", ":"), strict=True):
         ys = [100 * next(r.goodput for r in project(m, a, x) if r.strategy == strategy) for x in xs]
         ax.plot(xs, ys, style, label=LABELS[strategy])
         ax.plot(gpus, [ys[xs.index(g)] for g in gpus], "o", color=ax.lines[-1].get_color(), markersize=4)

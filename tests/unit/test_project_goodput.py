@@ -21,11 +21,26 @@ def goodputs(gpus: int, m=None, a=None) -> dict[str, float]:
     return {r.strategy: r.goodput for r in pg.project(m or pg.Measured(), a or pg.Assumptions(), gpus)}
 
 
-def test_in_process_beats_warm_restart_beats_durable_restart_at_every_scale():
+def test_in_process_with_spares_beats_warm_restart_beats_durable_restart_at_every_scale():
     for gpus in (1024, 16384, 100000):
         g = goodputs(gpus)
-        assert g["in-process"] >= g["memory"] >= g["durable"], (gpus, g)
-    assert goodputs(100000)["durable"] < 0.9 * goodputs(100000)["in-process"]
+        assert g["in-process-spares"] >= g["memory"] >= g["durable"], (gpus, g)
+        assert g["in-process-spares"] >= g["in-process"], (gpus, g)  # a lost node costs no world restart
+    assert goodputs(100000)["durable"] < 0.9 * goodputs(100000)["in-process-spares"]
+
+
+def test_the_wait_for_a_spare_is_read_from_the_resume_before_an_in_process_done_naming_one(tmp_path):
+    resume = {"event": "resume", "reason": "failure", "path": "in-process", "tier": "memory-peer", "leave_s": 0.0,
+              "restore_s": 0.01, "first_step_s": 0.1, "lost_steps": 0, "reform_s": 0.1}
+    events = [dict(resume, time=10.0, node="a", wait_s=0.2),  # a rank replaced: no spare
+              {"event": "in_process_done", "time": 10.1, "node": "a", "spare": ""},
+              dict(resume, time=20.0, node="a", wait_s=1.4),
+              {"event": "in_process_done", "time": 20.1, "node": "a", "spare": "host:7"}]
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events))
+    m = pg.measure([tmp_path])
+    assert m.spare_s == pytest.approx(1.5) and m.sources["spare_s"] == "median of 1"
+    slower = pg.recovery(m, pg.Assumptions(), 1024)["in-process-spares"][0]
+    assert slower > pg.recovery(pg.Measured(), pg.Assumptions(), 1024)["in-process-spares"][0]
 
 
 def test_goodput_falls_with_the_gpu_count_for_every_strategy():
@@ -64,7 +79,7 @@ def test_without_events_it_says_it_uses_built_in_values(capsys):
     assert pg.main(["--gpus", "1024,100000"]) == 0
     out = capsys.readouterr().out
     assert "built-in defaults (no events file given" in out
-    assert len([line for line in out.splitlines() if line.startswith("| 1")]) == 6
+    assert len([line for line in out.splitlines() if line.startswith("| 1")]) == 8
 
 
 def test_an_events_file_without_records_exits_2_with_one_line(tmp_path, capsys):
