@@ -127,6 +127,13 @@ class _Claimable:
             state = ctx.state
             if door.claimed():
                 return self._seat(ctx)
+            if state.complete and state.wait_list and len(state.participants) >= ctx.settings.max_nodes:
+                # Nodes left waiting for a round that filled without them (more nodes than MAX met after a
+                # restart): torch would leave them in the wait list, where the running groups see a node waiting
+                # and restart to let it in, and again, for ever. They are spares.
+                state.redundancy_list |= state.wait_list
+                state.wait_list.clear()
+                return actions.KEEP_ALIVE
             action = state_handler(ctx, deadline)
             if not door.is_open or ctx.node not in state.redundancy_list:
                 return action

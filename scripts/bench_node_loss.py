@@ -1,32 +1,32 @@
-"""A lost node, six ways, and a lost rank of a multi-node job, three ways, side by side in one run: the
-loss -> the first resumed step.
+"""A lost node, seven ways, and a lost rank of a multi-node job, three ways, for each node count, side by
+side in one run: the loss -> the first resumed step.
 
     python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,spare-restart,host,host-restart,silent]
                                       [--nodes 2,3,4] [--config configs/smoke.yaml] [key=value ...]
     python scripts/bench_node_loss.py --modes rank,rank-restart,rank-1node --nodes 2,3,4 \
         train.global_batch=12 train.micro_batch=1     # a global batch every node count divides
 
-Each loss is a fresh job of two launchers on loopback (`--nnodes 1:2`, one rank each, each node with its
-own memory directory, memory tier every step): once both train, the second launcher and every process
-below it are SIGKILLed and its memory directory deleted (a lost node), and the first goes on alone. The
-modes:
-- `inproc` (`fault.in_process=true`): the survivor keeps its process and goes on in a smaller world
+Each loss is a fresh job of N launchers on loopback, N from --nodes (`--nnodes 1:N`, one rank each, each
+node with its own memory directory, memory tier every step): once all train, the last launcher that does
+not host the store and every process below it are SIGKILLed and its memory directory deleted (a lost node),
+and the others go on. The modes:
+- `inproc` (`fault.in_process=true`): the survivors keep their processes and go on in a smaller world
   (launch/recovery/coordinator.py);
-- `restart` (`fault.in_process=false`): the survivor's group restarts through a new rendezvous;
-- `spare`: as inproc, with a third launcher started beyond --nnodes MAX once both train (a spare,
-  waiting warm): the survivor's launcher claims it, and it starts the lost rank in process in its place
+- `restart` (`fault.in_process=false`): the survivors' group restarts through a new rendezvous;
+- `spare`: as inproc, with one more launcher started beyond --nnodes MAX once all train (a spare, waiting
+  warm): a survivor's launcher claims it, and it starts the lost rank in process in its place
   (launch/spares.py), the world size unchanged; also timed, lost node -> first step of the whole world;
 - `spare-restart`: as spare, with `fault.in_process=false`: the group restarts through a new rendezvous,
   the spare in it;
-- `host`: the lost node is the one hosting the rendezvous store (the other one otherwise), with
-  `--rdzv-endpoint A,B`: the survivor moves to B, its launcher adopts its running rank, which follows the
-  store there and goes on in process;
-- `host-restart`: as host, with `fault.in_process=false`: the survivor's group restarts at B;
+- `host`: the lost node is the one hosting the rendezvous store, with `--rdzv-endpoint A,B`: the
+  survivors move to B, their launchers adopt their running ranks, which follow the store there and go on in
+  process;
+- `host-restart`: as host, with `fault.in_process=false`: the survivors' group restarts at B;
 - `silent`: as inproc, but the node is SIGSTOPped instead (lost without a word, as a node whose power or
-  link is gone: its connections stay open, so no collective of the survivor fails); the survivor's
-  launcher finds it silent after fault.node_silence_s (pass `fault.node_silence_s=S` to try another
-  bound) and tells its rank to go on without it; the split (found silent + the recovery after it) is printed.
-Each restores the 2-rank memory snapshot resharded (memory-reshard), or with a spare the lost rank's part from
+  link is gone: its connections stay open, so no collective of the survivors fails); their launchers find
+  it silent after fault.node_silence_s (pass `fault.node_silence_s=S` to try another bound) and tell their
+  ranks to go on without it; the split (found silent + the recovery after it) is printed.
+Each restores the N-rank memory snapshot resharded (memory-reshard), or with a spare the lost rank's part from
 its peer copy (memory-peer). The modes alternate.
 
 The rank modes run, for each node count N of --nodes, a job of N launchers (`--nnodes N`, one rank each)
@@ -37,8 +37,8 @@ and SIGKILL the trainer process of the highest rank of a node that does not host
 
 One untimed loss of the first mode comes first (the first job of a run pays for cold caches). Prints, per
 loss, the ledger's recovery (the survivor noticing -> its first step) and its split, the tier and the lost
-steps, the time from the SIGKILL to the first resumed step, and each mode's median, inproc / restart, and
-for the rank modes, per node count, in process across nodes / on one node and / restart. On a shared
+steps, the time from the SIGKILL to the first resumed step, and each mode's median; per node count, each
+in-process mode / its restart mode, and for the rank modes in process across nodes / on one node. On a shared
 machine compare the columns of one run, not numbers from different runs."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="inproc,restart,spare,host,silent",
                    help="which modes: inproc, restart, spare, host, silent (a lost node); rank, rank-restart, "
                         "rank-1node (a lost rank, for each --nodes)")
-    p.add_argument("--nodes", default="2", help="node counts for the rank modes, e.g. 2,3,4")
+    p.add_argument("--nodes", default="2", help="node counts, e.g. 2,3,4")
     p.add_argument("--timeout", type=float, default=180, help="the most any one wait may take (s)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = p.parse_args()
@@ -119,33 +119,43 @@ def resumes_after(run_dir: Path, since: float) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == "resume" and e["time"] > since]
 
 
-def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict:
-    """Two launchers (and a spare), one lost once both train; the survivor's resume event, with
-    `kill_to_step_s` (and for a spare `kill_to_whole_s`: until the world of two trains again)."""
+def one_group(run_dir: Path, nodes: int) -> bool:
+    """Whether `nodes` ranks train in one worker group, each past its first step."""
+    beats = [b for d in run_dir.glob("heartbeats-*") for b in read_heartbeats(d).values()]
+    return len(beats) == nodes and len({b.group for b in beats}) == 1 and all(b.startup.t_first for b in beats)
+
+
+def one_loss(args: argparse.Namespace, out: Path, mode: str, nodes: int, label: str) -> dict:
+    """`nodes` launchers (and a spare), one lost once all train; the first resume event after it, with
+    `kill_to_step_s` (and for a spare `kill_to_whole_s`: until the world of `nodes` trains again)."""
     run_dir = out / label
     endpoint = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2 if mode.startswith("host") else 1))
     procs = {}
 
     def start(node: str) -> None:
-        cmd = [sys.executable, "-m", "launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}",
-               f"--rdzv-id={label}", str(REPO / args.config), f"run.dir={run_dir}", "log.progress=false",
-               "train.eval_every=0", "train.steps=1000000", "checkpoint.every=100000", "checkpoint.memory_every=1",
+        cmd = [sys.executable, "-m", "launch", f"--nnodes=1:{nodes}", "--nproc-per-node=1",
+               f"--rdzv-endpoint={endpoint}", f"--rdzv-id={label}", str(REPO / args.config), f"run.dir={run_dir}",
+               "log.progress=false", "train.eval_every=0", "train.steps=1000000", "checkpoint.every=100000",
+               "checkpoint.memory_every=1",
                f"checkpoint.memory_dir={out / (label + '-shm-' + node)}", *MODES[mode], *args.overrides]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         procs[node] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(out / f"{label}-{node}.log").open("w"),
                                        stderr=subprocess.STDOUT, start_new_session=True)
 
-    start("a")
-    time.sleep(1.0)  # within the rendezvous's last call (3 s): both take part
-    start("b")
+    names = "abcdefgh"[:nodes]
+    start(names[0])
+    time.sleep(1.0)  # within the rendezvous's last call (3 s): every node takes part
+    for name in names[1:]:
+        start(name)
     try:
-        wait_until("2-node training", lambda: last_step(run_dir) >= 20, args.timeout)
+        wait_until(f"{nodes}-node training", lambda: last_step(run_dir) >= 20 and one_group(run_dir, nodes),
+                   args.timeout)
         if mode.startswith("spare"):
             start("spare")
             wait_until("the spare waiting", lambda: any(e["event"] == "spare_waiting" for e in read_events(run_dir)),
                        args.timeout)
-        host = "ab"[rendezvous_host(run_dir, [procs["a"], procs["b"]])]  # the first to bind, not always a
-        lost = host if mode.startswith("host") else "ab".replace(host, "")
+        host = names[rendezvous_host(run_dir, [procs[n] for n in names])]  # the first to bind, not always a
+        lost = host if mode.startswith("host") else names.replace(host, "")[-1]
         killed = time.time()
         (freeze_tree if mode == "silent" else kill_tree)(procs[lost].pid)
         shutil.rmtree(out / f"{label}-shm-{lost}", ignore_errors=True)
@@ -155,7 +165,7 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, label: str) -> dict
             found = [e["time"] for e in read_events(run_dir) if e["event"] == "partition" and e["time"] > killed]
             row["found_s"] = min(found) - killed if found else float("nan")
         if mode.startswith("spare"):
-            wait_until("the whole world training", lambda: len(firsts_after(run_dir, killed)) >= 2, args.timeout)
+            wait_until("the whole world training", lambda: len(firsts_after(run_dir, killed)) >= nodes, args.timeout)
             row["kill_to_whole_s"] = max(firsts_after(run_dir, killed)) - killed
         return row
     finally:
@@ -207,18 +217,13 @@ def main() -> int:
     print(f"[bench_node_loss] modes {args.modes}, {args.losses} lost node(s) each, {args.config}, "
           f"{os.cpu_count()} CPU cores, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     rows = []
-    runs = [(m, n) for m in args.modes if m in RANK_MODES for n in args.nodes] + [
-        (m, 2) for m in args.modes if m not in RANK_MODES]
+    runs = [(m, n) for m in args.modes for n in args.nodes]
     mode, nodes = runs[0]  # one untimed loss first: the first job of a run pays for cold caches
-    (one_rank_loss(args, out, mode, nodes, "warm-up") if mode in RANK_MODES else one_loss(args, out, mode, "warm-up"))
+    (one_rank_loss if mode in RANK_MODES else one_loss)(args, out, mode, nodes, "warm-up")
     for i in range(args.losses):
         for mode, nodes in (runs if i % 2 == 0 else runs[::-1]):
-            if mode in RANK_MODES:
-                mode_label = f"{mode}-{nodes}n"
-                row = one_rank_loss(args, out, mode, nodes, f"{mode_label}-{i}")
-            else:
-                mode_label = mode
-                row = one_loss(args, out, mode, f"{mode}-{i}")
+            mode_label = f"{mode}-{nodes}n"
+            row = (one_rank_loss if mode in RANK_MODES else one_loss)(args, out, mode, nodes, f"{mode_label}-{i}")
             row["mode"] = mode_label
             rows.append(row)
             split = (f" = found silent after {row['found_s']:.2f}s + {row['kill_to_step_s'] - row['found_s']:.2f}s "
@@ -236,19 +241,20 @@ def main() -> int:
     labels = list(dict.fromkeys(r["mode"] for r in rows))
     medians = {m: statistics.median(r["kill_to_step_s"] for r in rows if r["mode"] == m) for m in labels}
     print("\nmedian lost node -> first resumed step: " + ", ".join(f"{m} {v:.2f}s" for m, v in medians.items()))
-    wholes = {}
-    for m in ("spare", "spare-restart"):
-        if whole := [r["kill_to_whole_s"] for r in rows if r["mode"] == m]:
-            wholes[m] = statistics.median(whole)
-            print(f"{m}: median lost node -> first step of the whole world again (the spare in) "
-                  f"{wholes[m]:.2f}s ({', '.join(f'{w:.2f}s' for w in whole)})")
-    if len(wholes) == 2:
-        print(f"spare, in process / restart: {wholes['spare'] / wholes['spare-restart']:.2f}")
-    if {"inproc", "restart"} <= set(medians):
-        print(f"inproc / restart: {medians['inproc'] / medians['restart']:.2f}")
-    if {"host", "host-restart"} <= set(medians):
-        print(f"host, in process / restart: {medians['host'] / medians['host-restart']:.2f}")
     for n in args.nodes:
+        wholes = {}
+        for m in (f"spare-{n}n", f"spare-restart-{n}n"):
+            if whole := [r["kill_to_whole_s"] for r in rows if r["mode"] == m]:
+                wholes[m] = statistics.median(whole)
+                print(f"{m}: median lost node -> first step of the whole world again (the spare in) "
+                      f"{wholes[m]:.2f}s ({', '.join(f'{w:.2f}s' for w in whole)})")
+        if len(wholes) == 2:
+            print(f"{n} nodes: a node lost with a spare, in process / restart: "
+                  f"{wholes[f'spare-{n}n'] / wholes[f'spare-restart-{n}n']:.2f}")
+        for fast, slow, what in (("inproc", "restart", "a node lost"), ("host", "host-restart", "the host lost")):
+            if {f"{fast}-{n}n", f"{slow}-{n}n"} <= set(medians):
+                ratio = medians[f"{fast}-{n}n"] / medians[f"{slow}-{n}n"]
+                print(f"{n} nodes: {what}, in process / restart: {ratio:.2f}")
         rank, restart, one = (medians.get(f"{m}-{n}n") for m in RANK_MODES)
         if rank and one:
             print(f"{n} nodes: a rank lost, in process across nodes / on one node: {rank / one:.2f}")

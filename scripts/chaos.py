@@ -72,8 +72,12 @@ class Nodes:
         self.node_args: list[str] = []
         self.memory: dict[int, Path] = {}  # launcher pid -> its memory directory
         if args.nodes > 1:
-            nnodes = f"1:{args.nodes}" if args.spares else str(args.nodes)
-            self.node_args = [f"--nnodes={nnodes}", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=chaos"]
+            self.node_args = [f"--nnodes={args.nodes}", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=chaos"]
+        if args.nodes > 1 and args.spares:
+            # MIN:MAX (a lost node's place taken in process), and a long last call: the first round waits for
+            # every node (a round of fewer would train other steps than the reference run's world)
+            self.node_args[0] = f"--nnodes=1:{args.nodes}"
+            self.node_args.append("--rdzv-conf=last_call_timeout=30")
         self.procs = [self.start(node) for node in range(args.nodes)]
 
     def start(self, node: int) -> subprocess.Popen:

@@ -10,6 +10,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import rendezvous
@@ -62,3 +63,62 @@ def test_a_round_renumbered_for_a_smaller_world_keeps_only_the_nodes_that_hold_r
     assert smaller.nodes == frozenset("bc") and smaller.ranks == {"b": frozenset({0, 1}), "c": frozenset({2, 3})}
     assert Round("r2", frozenset("ab")).renumbered({0: 0}, this_node="a").nodes == frozenset("a")  # unknown: this one
     assert met.moved("r2@1").name == "r2@1" and met.moved("r2@1").ranks == met.ranks
+
+
+class Door:
+    """launch.spares.SpareDoor as the join loop asks it: open, and claimed once `claim` is set."""
+
+    def __init__(self, hold_s: float = 60.0) -> None:
+        self.claim, self.is_open, self.hold_s, self.held = None, True, hold_s, False
+
+    def claimed(self) -> bool:
+        return self.claim is not None
+
+    def standing(self) -> dict | None:
+        return self.claim
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.claimed()
+
+    def hold(self) -> bool:
+        self.held = True
+        return True
+
+    def unhold(self) -> None:
+        self.held = False
+
+
+def test_a_claimed_spare_takes_the_lost_nodes_seat_a_spare_holds_and_a_leftover_waiter_becomes_a_spare():
+    """The join loop's state handler, wrapped (launch.rounds.claimable), on torch's own state and actions:
+    claimed, the spare takes the lost node's group rank among the participants and the loop ends
+    (SpareClaimed); a node of the round gone, it stays a spare for a while instead of joining the wait list; a
+    node left waiting for a round that filled without it is moved to the spares, not left to restart the
+    groups for ever."""
+    from launch.rounds import SpareClaimed, _Claimable
+    from trainer.contract import rendezvous_actions
+
+    actions = rendezvous_actions()
+    state = SimpleNamespace(round=3, complete=True, participants={"a": 0, "b": 1}, wait_list=set(),
+                            redundancy_list={"s"}, last_heartbeats={"a": 1, "b": 1, "s": 1})
+    ctx = SimpleNamespace(node="s", state=state, settings=SimpleNamespace(max_nodes=2))
+    door = Door()
+    torch_says = []
+    handle = _Claimable(None, door, actions)._wrap(lambda c, d: torch_says[-1])
+
+    torch_says.append(actions.SYNC)  # the round is full: wait for a claim (none)
+    assert handle(ctx, 0) == actions.KEEP_ALIVE and not door.held
+    del state.participants["b"]  # b's keep-alive expired: torch would move the spare to the wait list
+    torch_says.append(actions.REMOVE_FROM_REDUNDANCY_LIST)
+    assert handle(ctx, 0) == actions.KEEP_ALIVE and door.held and "s" in state.redundancy_list
+    door.claim = {"round": "r3", "group_rank": 1}
+    assert handle(ctx, 0) == actions.KEEP_ALIVE  # seated: the executor writes it
+    assert state.participants == {"a": 0, "s": 1} and not state.redundancy_list
+    with pytest.raises(SpareClaimed):
+        handle(ctx, 0)
+
+    state.wait_list.add("w")  # a node that missed the round: a spare, not a node to restart for
+    door.claim = None
+    assert handle(SimpleNamespace(node="a", state=state, settings=ctx.settings), 0) == actions.KEEP_ALIVE
+    assert state.wait_list == set() and state.redundancy_list == {"w"}
+    torch_says.append(actions.FINISH)
+    assert handle(SimpleNamespace(node="a", state=state, settings=ctx.settings), 0) == actions.FINISH
