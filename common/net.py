@@ -20,6 +20,15 @@ def listening(host: str, port: int, timeout_s: float) -> bool:
     return True
 
 
+def listening_at(where: str, timeout_s: float) -> bool:
+    """`listening` at `where`, "host:port" (an IPv6 host in brackets); False for an address that does not parse."""
+    host, _, port = where.rpartition(":")
+    try:
+        return listening(host.strip("[]"), int(port), timeout_s)
+    except ValueError:
+        return False
+
+
 def wait_listening(host: str, port: int, timeout_s: float, interval_s: float = 0.01) -> bool:
     """Try `listening` every `interval_s` until something accepts a connection at host:port (True) or
     `timeout_s` has passed (False). Each try waits at most 1 s, and never past the bound."""

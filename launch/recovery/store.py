@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
 from typing import Any
 
-from common.net import listening
+from common.net import listening_at
 from common.timing import ARRIVAL_S, MOVE_SETTLE_S, STORE_ASK_S, STORE_PROBE_S
 from launch import spares
 from launch.liveness import goes_on
@@ -29,14 +30,12 @@ from trainer.contract import (
     smaller_world_published,
 )
 
+log = logging.getLogger(__name__)
+
 
 def listens(where: str) -> bool:
     """Whether something accepts a TCP connection at `where` (host:port)."""
-    host, _, port = where.rpartition(":")
-    try:
-        return listening(host.strip("[]"), int(port), STORE_PROBE_S)
-    except ValueError:
-        return False
+    return listening_at(where, STORE_PROBE_S)
 
 
 def announce(agent, generation: int, handled: bool = True) -> None:
@@ -105,8 +104,11 @@ def moved_here(agent) -> None:
     so there, with the ranks that follow, so that a launcher sending the survivors on in a smaller world
     waits for them (`smaller_world`)."""
     local = sorted(agent.global_ranks().values())
-    store = coordination_store(os.environ[COORD_STORE_ENV], agent.run_id(), agent.round(), STORE_ASK_S)
-    store.set(MOVED_KEY.format(rank=local[0]), json.dumps(local))
+    try:
+        store = coordination_store(os.environ[COORD_STORE_ENV], agent.run_id(), agent.round(), STORE_ASK_S)
+        store.set(MOVED_KEY.format(rank=local[0]), json.dumps(local))
+    except Exception as e:  # noqa: BLE001 - the new store lost too: the ranks' recovery says what comes next
+        log.info(f"cannot tell the store moved to that this node came ({type(e).__name__}: {e})")
 
 
 def _moved_nodes(store, world: int) -> list[set[int]]:
@@ -115,29 +117,24 @@ def _moved_nodes(store, world: int) -> list[set[int]]:
     return [set(json.loads(store.get(key))) for key in keys if store.check([key])]
 
 
-def _settled(agent, store, world: int, arrived: set[int]) -> bool:
-    """Whether every node that moved here has its ranks at the recovery, and no other is on its way: all but one
-    of the group's nodes (the lost store's host) moved, or this one moved MOVE_SETTLE_S ago. Always, without a
-    move."""
+def _settled(agent, moved: list[set[int]], nodes: int, arrived: set[int]) -> bool:
+    """Whether every node that moved here (`moved`, of the group's `nodes`) has its ranks at the recovery, and no
+    other is on its way: all but one of the group's nodes (the lost store's host) moved, or this one moved
+    MOVE_SETTLE_S ago. Always, without a move."""
     if agent.move.adopted_at is None:
         return True
-    moved = _moved_nodes(store, world)
     if not set().union(*moved) <= arrived:
         return False
-    nodes = len(agent.meeting.ranks) or agent.group()[2]
     return len(moved) >= nodes - 1 or time.time() - agent.move.adopted_at >= MOVE_SETTLE_S
 
 
-def _outvoted(agent, store, world: int, last_endpoint: bool) -> str:
+def _outvoted(agent, moved: list[set[int]], nodes: int, last_endpoint: bool) -> str:
     """After a store move, why the nodes that moved here must not go on alone ('' when they may): they are not
     a majority of the group (exactly half at the last endpoint), so the others may be training elsewhere (a
     partition that cut these nodes off from the store, not its host's loss). Without a move, ''."""
-    if agent.move.adopted_at is None:
+    if agent.move.adopted_at is None or goes_on(len(moved), nodes, last_endpoint):
         return ""
-    moved, nodes = len(_moved_nodes(store, world)), len(agent.meeting.ranks) or agent.group()[2]
-    if goes_on(moved, nodes, last_endpoint):
-        return ""
-    return f"only {moved} of the group's {nodes} node(s) moved to this store: not a majority (a partition?)"
+    return f"only {len(moved)} of the group's {nodes} node(s) moved to this store: not a majority (a partition?)"
 
 
 def smaller_world(agent, generation: int, min_nodes: int, waited_s: float,
@@ -157,14 +154,16 @@ def smaller_world(agent, generation: int, min_nodes: int, waited_s: float,
     if decided is None:
         nodes = agent.meeting.nodes_of(arrived)
         lost = sorted(set(range(world)) - arrived)
+        moved = _moved_nodes(store, world) if agent.move.adopted_at is not None else []
+        group_nodes = len(agent.meeting.ranks) or agent.group()[2]
         moved_short = agent.move.adopted_at is not None and min_nodes > (nodes or 1)  # the others may come yet
-        if not local <= arrived or not _settled(agent, store, world, arrived) or moved_short:
+        if not local <= arrived or not _settled(agent, moved, group_nodes, arrived) or moved_short:
             if waited_s < ARRIVAL_S:
                 return None
             if not local <= arrived:
                 return lost, f"rank(s) {sorted(local - arrived)} here did not come to the recovery", ""
         decided = _with_spare(agent, store, generation, lost) if agent.move.adopted_at is None else None
-        if decided is None and (why := _cannot_go_on(agent, store, world, min_nodes, nodes, last_endpoint)):
+        if decided is None and (why := _cannot_go_on(agent, moved, group_nodes, min_nodes, nodes, last_endpoint)):
             return lost, why, ""
     ranks = publish_smaller_world(store, generation, sorted(arrived)) if "spare" not in (decided or {}) else {}
     if not ranks:  # a spare takes the lost node's place (claimed here or by another launcher)
@@ -177,11 +176,12 @@ def smaller_world(agent, generation: int, min_nodes: int, waited_s: float,
     return lost, "", ""
 
 
-def _cannot_go_on(agent, store, world: int, min_nodes: int, nodes: int | None, last_endpoint: bool) -> str:
-    """Why the survivors cannot go on in a smaller world ('' when they can)."""
+def _cannot_go_on(agent, moved: list[set[int]], group_nodes: int, min_nodes: int, nodes: int | None,
+                  last_endpoint: bool) -> str:
+    """Why the survivors (on `nodes` nodes) cannot go on in a smaller world ('' when they can)."""
     if min_nodes > (nodes or 1):
         return f"--nnodes needs {min_nodes} nodes at least; {nodes or 'fewer'} are left"
-    if outvoted := _outvoted(agent, store, world, last_endpoint):
+    if outvoted := _outvoted(agent, moved, group_nodes, last_endpoint):
         return outvoted
     return "a node is waiting to join" if agent.nodes_waiting() else ""
 

@@ -188,7 +188,10 @@ def test_listening_is_true_only_where_something_accepts_connections():
         port = server.getsockname()[1]
         assert net.listening("127.0.0.1", port, 1.0)
         assert net.wait_listening("127.0.0.1", port, 1.0)
+        assert net.listening_at(f"127.0.0.1:{port}", 1.0)
+        assert not net.listening_at("127.0.0.1", 1.0) and not net.listening_at(f"127.0.0.1:{port}x", 1.0)
     start = time.monotonic()
+    assert not net.listening_at(f"[::1]:{port}", 1.0)
     assert not net.listening("127.0.0.1", port, 1.0)  # closed: refused at once
     assert not net.wait_listening("127.0.0.1", port, 0.2)
     assert time.monotonic() - start < 5.0

@@ -150,8 +150,7 @@ class StoreHome:
         return protocol.read_store_moved(self.directory, self.where, self.group) if self.directory else None
 
     def listens(self) -> bool:
-        host, _, port = self.where.rpartition(":")
-        return net.listening(host.strip("[]"), int(port), STORE_PROBE_S)
+        return net.listening_at(self.where, STORE_PROBE_S)
 
 
 @dataclass
@@ -187,10 +186,15 @@ class Regroup:
     def follow_move(self, wait_s: float = 0.0) -> bool:
         """Use the store the launcher moved to (the node hosting the old one was lost with it), waiting up to
         `wait_s` for the launcher to say where; False when it said nothing."""
-        home = self.home
-        if home is None or not wait_until(lambda: home.moved() is not None, wait_s, POLL_S):
+        home, said = self.home, []
+
+        def moved() -> bool:
+            said[:] = [home.moved()]
+            return said[0] is not None
+
+        if home is None or not wait_until(moved, wait_s, POLL_S):
             return False
-        where, group = home.moved()
+        where, group = said[0]
         self.store = coordination_store(where, home.run_id, group, self.timeout_s)
         self.skip_ports.add(int(where.rpartition(":")[2]))
         self.home = StoreHome(where, home.run_id, group, home.directory)
