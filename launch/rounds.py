@@ -135,7 +135,10 @@ class _Claimable:
                 state.wait_list.clear()
                 return actions.KEEP_ALIVE
             action = state_handler(ctx, deadline)
-            if not door.is_open or ctx.node not in state.redundancy_list:
+            if ctx.node not in state.redundancy_list:
+                return action
+            door.open()  # (once: at once, not at the supervisor's next look, or torch would pause a second first)
+            if not door.is_open:
                 return action
             if action == actions.SYNC:  # the round is full: torch would pause a second
                 door.unhold()

@@ -26,7 +26,8 @@ import threading
 import time
 
 from common.clock import wait_until
-from common.timing import SPARE_ACK_S, SPARE_CONFIRM_S, SPARE_POLL_S, STORE_ASK_S
+from common.net import listening_at
+from common.timing import SPARE_ACK_S, SPARE_CONFIRM_S, SPARE_POLL_S, STORE_ASK_S, STORE_PROBE_S
 from trainer.contract import coordination_store, published_world
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class SpareDoor:
         self.hold_s = hold_s  # how long it stays a spare once a node of the running round is gone (`hold`)
         self._held_since: float | None = None
         self.index: int | None = None
+        self._tried = False  # `open` registers once
         self.joined: dict | None = None  # the claim its agent's running group started on (launch.agent)
         self._claim: dict | None = None
         self._claimed = threading.Event()
@@ -63,8 +65,11 @@ class SpareDoor:
         return self.index is not None and not self._stop.is_set()
 
     def open(self) -> None:
-        """Register on the store and watch for a claim (best effort: a store that does not answer leaves this
-        node a spare of the old kind, which joins at the next rendezvous)."""
+        """Register on the store and watch for a claim, once (best effort: a store that does not answer leaves
+        this node a spare of the old kind, which joins at the next rendezvous)."""
+        if self._tried:
+            return
+        self._tried = True
         try:
             store = coordination_store(self.where, self.run_id, GROUP, STORE_ASK_S)
             index = store.add(COUNT, 1) - 1
@@ -111,6 +116,8 @@ class SpareDoor:
         if self._stop.is_set() or self.index is None:
             return
         self._stop.set()
+        if not listening_at(self.where, STORE_PROBE_S):  # its host ended (a connection would print C++ frames)
+            return
         with contextlib.suppress(Exception):
             coordination_store(self.where, self.run_id, GROUP, STORE_ASK_S).set(f"{self.index}/gone", "left")
 
@@ -139,7 +146,8 @@ class SpareDoor:
                 if world is None and time.monotonic() - since > SPARE_CONFIRM_S:
                     since = None  # never published: wait for the next claim
             except Exception as e:  # noqa: BLE001 - the store is gone: no claim can come
-                log.info(f"the spare's watch on the store ended: {type(e).__name__}: {e}")
+                first = (str(e).splitlines() or [""])[0]
+                log.info(f"the spare's watch on the store ended: {type(e).__name__}: {first}")
                 return
 
 

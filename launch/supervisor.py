@@ -102,7 +102,7 @@ class Supervisor:
         if lost is not None:  # the first attempt resumes what it left: count its lost steps from here
             self.ledger.previous_last_step = lost.step
             self.ledger.interrupted = (self.ledger.started, "launcher lost")
-        self._next_check = 0.0  # when review next reads the heartbeats (every fault.heartbeat_s)
+        self._next_check = 0.0  # when review next reads the heartbeats (fault.heartbeat_s; at once in a recovery)
 
     @property
     def policy(self) -> RestartPolicy:
@@ -156,8 +156,7 @@ class Supervisor:
         """In-process recovery: the replacements' environment, or None for a full restart."""
         beats = self.watchdog.beats(self.attempt)
         failure, tb = failures.from_exits(exits, set(), beats, self.last_step())
-        # The trainers' own pids (a warm rank's torchelastic worker is its stub), by local rank.
-        ranks = self.agent.global_ranks()
+        ranks = self.agent.global_ranks()  # (below: the trainers' own pids; a warm rank's worker is its stub)
         running = {lr: beats[ranks[lr]].pid if ranks.get(lr) in beats else pid
                    for lr, pid in self.agent.worker_pids().items()}
         mode = self.coordinator.mode
@@ -174,8 +173,9 @@ class Supervisor:
             self.preemption.forward(self.agent, now, beats=lambda: self.watchdog.beats(self.attempt))
         if status.state not in ("failed", "succeeded") and now < self._next_check and self.coordinator.pending is None:
             return False
-        self._next_check = now + self.cfg.fault.heartbeat_s
         beats = self.watchdog.beats(self.attempt)
+        recovering = any(b.phase == "recover" for b in beats.values())  # (a lost node is judged at once)
+        self._next_check = now + (0 if recovering else self.cfg.fault.heartbeat_s)
         if (beat := self.coordinator.representative(beats)) is not None:
             self.observe(beat)
         exited = any(not is_alive(b.pid) for b in beats.values())  # after the read: see Observed

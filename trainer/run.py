@@ -149,7 +149,10 @@ def build(cfg: Config, info: parallel.DistInfo, process: ProcessParts, joining: 
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     model = parallel.parallelize(model, cfg.dist, info)
     optimizer = build_optimizer(model, cfg, info.device)
-    peak, peak_source = peak_flops(info.device, cfg.log.peak_tflops)
+    if joining is not None and joining.get("peak"):  # its peers' (a spare has measured nothing yet)
+        peak, peak_source = joining["peak"], "the survivors' figure"
+    else:
+        peak, peak_source = peak_flops(info.device, cfg.log.peak_tflops)
     accum = t.global_batch // (micro_batch * info.world)
     log.info("model %.2fM params, %.1f MFLOPs/token | world %d (%s, %s) | global batch %d = %d ranks x %d micro "
              "x %d | peak %s GFLOP/s (%s)", n_params / 1e6, flops_per_token / 1e6, info.world, info.backend,

@@ -193,11 +193,13 @@ def close_meters(meters: Meters) -> None:
 
 def publish_setup(run: Run, regroup: Regroup, generation: int) -> None:
     """What a replacement needs from the start-up collectives it missed: the memory tier's run id and
-    interval. Every survivor writes the same value; the replacement reads it (`joining_setup`)."""
+    interval; and the peak FLOP/s MFU is measured against (on a CPU, measured at a launcher's first start: a
+    spare's first rank would spend half a second measuring while its peers wait). Every survivor writes the
+    same value; the replacement reads it (`joining_setup`)."""
     memory = run.memory
     setup = {"run_id": memory.setup.run_id if memory is not None else None,
              "every": memory.every if memory is not None else 0,
-             "measuring": memory is not None and memory.measuring}
+             "measuring": memory is not None and memory.measuring, "peak": run.flops.peak}
     regroup.store.set(keys.setup_key(generation), json.dumps(setup))
 
 
