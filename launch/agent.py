@@ -286,6 +286,7 @@ class SupervisedAgent(LocalElasticAgent):
         self._victims = set()
 
         def close_now(death_sig=None, timeout: int = 30) -> None:
+            pcontext.closing = True  # (the ranks it kills are not offered for replacement: `_replace_in_poll`)
             self._victims = {lr for lr, pid in pcontext.pids().items() if is_alive(pid)}
             if not self.hooks.signalled():
                 death_sig, timeout = death_sig or signal.SIGKILL, min(timeout, SURVIVOR_GRACE_S)
@@ -294,6 +295,27 @@ class SupervisedAgent(LocalElasticAgent):
                 drop_torn_error_file(pcontext.error_files[lr])
 
         pcontext.close = close_now
+        self._replace_in_poll(pcontext)
+
+    def _replace_in_poll(self, pcontext) -> None:
+        """torchelastic's poll closes the whole group as soon as it finds a failed rank: what it finds is offered
+        for replacement first (`_replace_dead`), in the same poll (a look of the agent's own before it left a
+        window in which a rank that died restarted the group); the ranks replaced are not reported as failed."""
+        capture = getattr(pcontext, "torch_capture", getattr(pcontext, "_capture_process_failures", None))
+        if capture is None or not hasattr(pcontext, "_failures"):
+            return
+        pcontext.torch_capture = capture
+
+        def capture_then_replace(done: set[int]) -> None:
+            before = set(pcontext._failures)
+            capture(done)
+            found = {lr: f.exitcode for lr, f in pcontext._failures.items() if lr not in before}
+            if found and not getattr(pcontext, "closing", False) and not self.hooks.signalled():
+                for lr in self._replace_dead(self._worker_group, found):
+                    pcontext._failures.pop(lr, None)
+                    done.discard(lr)
+
+        pcontext._capture_process_failures = capture_then_replace
 
     def _stop_workers(self, worker_group) -> None:
         # Survivors of a failure are blocked in collectives with a dead peer; a SIGSTOPped rank
@@ -329,36 +351,23 @@ class SupervisedAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group) -> RunResult:
         if self.move.handed_over:
             raise HandedOver("the ranks went to the agent of the next rendezvous endpoint")
-        self._replace_failed(worker_group)
-        result = super()._monitor_workers(worker_group)
+        result = super()._monitor_workers(worker_group)  # (a failed rank offered for replacement first)
         exits = {}
         if result.state == WorkerState.FAILED:
             exits = {rank: rank_exit(rank, pf) for rank, pf in result.failures.items()}
         status = GroupStatus(result.state.name.lower(), exits, frozenset(self._victims))
         return RunResult(state=WorkerState.UNHEALTHY) if self.hooks.review(status) else result
 
-
-    def _replace_failed(self, worker_group) -> None:
-        """In-process recovery: before torchelastic sees a failed rank (it would stop the whole group),
-        offer the failure to the supervisor; when it says so, start that rank again alone, in place in
-        torchelastic's process context, and leave the others running. Polls again after each round: a
-        rank that died meanwhile (while the replacement was being started) is offered too, as a second
-        failure, instead of reaching torchelastic unseen by the supervisor."""
-        for _ in range(len(worker_group.workers) + 1):
-            if not self._replace_once(worker_group):
-                return
-
-    def _replace_once(self, worker_group) -> bool:
-        """One round of `_replace_failed`; True when it started replacements (so, poll again)."""
+    def _replace_dead(self, worker_group, dead: dict[int, int]) -> set[int]:
+        """In-process recovery: offer the ranks that died (local rank -> exit code) to the supervisor, each process
+        once, before torchelastic stops the whole group; start the replacements it asks for, alone, in place in
+        torchelastic's process context. The local ranks replaced."""
         pcontext = self._pcontext
-        handlers = getattr(pcontext, "subprocess_handlers", None)
-        running = getattr(pcontext, "_running_local_ranks", None)
-        if not handlers or running is None or self.hooks.signalled():
-            return False
-        dead = {lr: handlers[lr].proc.poll() for lr in running}
-        dead = {lr: code for lr, code in dead.items() if code not in (None, 0)}
+        handlers, offered = pcontext.subprocess_handlers, pcontext.__dict__.setdefault("offered", set())
+        dead = {lr: code for lr, code in dead.items() if handlers[lr].proc.pid not in offered}
         if not dead:
-            return False
+            return set()
+        offered |= {handlers[lr].proc.pid for lr in dead}
         exits = {}
         for lr, code in dead.items():
             drop_torn_error_file(pcontext.error_files[lr])
@@ -367,7 +376,7 @@ class SupervisedAgent(LocalElasticAgent):
             exits[worker_group.workers[lr].global_rank] = rank_exit(worker_group.workers[lr].global_rank, failure)
         extra_env = self.hooks.replace_failed(exits)
         if extra_env is None:
-            return False
+            return set()
         for lr in dead:
             with contextlib.suppress(OSError):
                 os.remove(pcontext.error_files[lr])  # the replacement's own, if it fails
@@ -375,4 +384,4 @@ class SupervisedAgent(LocalElasticAgent):
                 entrypoint=pcontext.entrypoint, args=pcontext.args[lr], env={**pcontext.envs[lr], **extra_env},
                 stdout=pcontext.stdouts[lr], stderr=pcontext.stderrs[lr], local_rank_id=lr)
             worker_group.workers[lr].id = handlers[lr].proc.pid
-        return True
+        return set(dead)

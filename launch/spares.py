@@ -105,10 +105,12 @@ class SpareDoor:
         return self._claim
 
     def take(self) -> dict | None:
-        """The claim that stands, once (the spare joins with it: it is a spare no more)."""
+        """The claim that stands, once (the spare joins with it: it is a spare no more; said on the store on a
+        thread of its own, off the way to the ranks' start)."""
         claim, self._claim = self._claim, None
         self._claimed.clear()
-        self.close()
+        self._stop.set()
+        threading.Thread(target=self._say_gone, name="spare-gone", daemon=True).start()
         return claim
 
     def close(self) -> None:
@@ -116,6 +118,9 @@ class SpareDoor:
         if self._stop.is_set() or self.index is None:
             return
         self._stop.set()
+        self._say_gone()
+
+    def _say_gone(self) -> None:
         if not listening_at(self.where, STORE_PROBE_S):  # its host ended (a connection would print C++ frames)
             return
         with contextlib.suppress(Exception):
@@ -143,7 +148,9 @@ class SpareDoor:
                     self._claim = claim
                     self._claimed.set()
                     return
-                if world is None and time.monotonic() - since > SPARE_CONFIRM_S:
+                if world is not None:  # another world stood: its claimant releases it, or this spare does
+                    store.compare_set(key, value.decode(), "")
+                elif time.monotonic() - since > SPARE_CONFIRM_S:
                     since = None  # never published: wait for the next claim
             except Exception as e:  # noqa: BLE001 - the store is gone: no claim can come
                 first = (str(e).splitlines() or [""])[0]
