@@ -2,7 +2,9 @@
 side in one run: the loss -> the first resumed step.
 
     python scripts/bench_node_loss.py [--losses 3] [--modes inproc,restart,spare,spare-restart,host,host-restart,silent]
-                                      [--nodes 2,3,4] [--config configs/smoke.yaml] [key=value ...]
+                                      [--nodes 2] [--config configs/smoke.yaml] [key=value ...]
+    python scripts/bench_node_loss.py --modes spare,spare-restart --nodes 3,4 \
+        train.global_batch=12 train.micro_batch=1     # a global batch every node count divides
     python scripts/bench_node_loss.py --modes rank,rank-restart,rank-1node --nodes 2,3,4 \
         train.global_batch=12 train.micro_batch=1     # a global batch every node count divides
 
@@ -148,8 +150,12 @@ def one_loss(args: argparse.Namespace, out: Path, mode: str, nodes: int, label: 
     for name in names[1:]:
         start(name)
     try:
-        wait_until(f"{nodes}-node training", lambda: last_step(run_dir) >= 20 and one_group(run_dir, nodes),
-                   args.timeout)
+        def training() -> bool:
+            if ended := [n for n, p in procs.items() if p.poll() is not None]:
+                raise RuntimeError(f"launcher(s) {ended} ended before training (see {out}/{label}-*.log)")
+            return last_step(run_dir) >= 20 and one_group(run_dir, nodes)
+
+        wait_until(f"{nodes}-node training", training, args.timeout)
         if mode.startswith("spare"):
             start("spare")
             wait_until("the spare waiting", lambda: any(e["event"] == "spare_waiting" for e in read_events(run_dir)),
