@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from launch.ledger import recovery_after
 from tests.fixtures import free_port, kill_tree, wait_for_rendezvous_host
+from trainer.contract import is_alive
 from trainer.observability import logs
 from trainer.runtime.protocol import HeartbeatRecord, read_events, read_heartbeats, read_jsonl
 
@@ -99,9 +100,15 @@ class Nodes:
                 raise RuntimeError("the spares did not come to wait")
             time.sleep(0.1)
 
+    def live_beats(self, proc: subprocess.Popen) -> dict[int, HeartbeatRecord]:
+        """The heartbeats of the ranks `proc` runs now: a launcher left a spare by a restart keeps its old ranks'
+        records (their processes gone) until it starts ranks again."""
+        return {r: b for d in self.run_dir.glob(f"heartbeats-*-{proc.pid}-*") for r, b in read_heartbeats(d).items()
+                if is_alive(b.pid)}
+
     def ranks_of(self, i: int) -> set[int]:
         """The ranks launcher `i` runs now (a spare takes a lost node's; a restart may renumber them)."""
-        return {r for d in self.run_dir.glob(f"heartbeats-*-{self.procs[i].pid}-*") for r in read_heartbeats(d)}
+        return set(self.live_beats(self.procs[i]))
 
     def holding(self, rank: int) -> int:
         return next(i for i in range(len(self.procs)) if rank in self.ranks_of(i))
@@ -110,11 +117,10 @@ class Nodes:
         return all(p.poll() is None for p in self.procs)
 
     def beats(self) -> dict[int, HeartbeatRecord]:
-        """Every rank's heartbeat from the live launchers' directories (a lost launcher's stays behind)."""
+        """Every rank's heartbeat, of the ranks the live launchers run now (a lost launcher's stay behind)."""
         beats: dict[int, HeartbeatRecord] = {}
         for proc in self.procs:
-            for directory in self.run_dir.glob(f"heartbeats-*-{proc.pid}-*"):
-                beats.update(read_heartbeats(directory))
+            beats.update(self.live_beats(proc))
         return beats
 
     def lose(self, node: int) -> None:
