@@ -201,6 +201,8 @@ class SupervisedAgent(LocalElasticAgent):
             self.door.joined = None
         try:
             super()._rendezvous(worker_group)
+            if self.door is not None:  # it met the others: a spare no more (a claim would find no ranks coming)
+                self.door.leave()
         except SpareClaimed:
             if self._take_place(worker_group, self.door.take()):
                 return

@@ -105,15 +105,14 @@ class Membership:
                               **({"generation": generation, "ranks": claim["ranks"]} if claim else {}))
 
     def note_spare(self, agent) -> None:
-        """Between groups: say once that this node waits as a spare (and open its door)."""
+        """Between groups: say once that this node waits as a spare (its door opens from torch's join loop,
+        launch.rounds.claimable)."""
         if self._spare_since is None and not self.ledger.attempts and agent.waiting_as_spare():
             self._spare_since = time.time()
             how = "in process, in the place of the next node lost" if agent.door else "at the next rendezvous"
             log.info(f"the job has its --nnodes MAX nodes: this node waits as a spare (its fork server ready) and "
                      f"joins {how}")
             self.ledger.event("spare_waiting", endpoint=self.endpoint, in_process=agent.door is not None)
-            if agent.door is not None:
-                agent.door.open()
 
     def cut_off(self) -> RendezvousConnectionError | None:
         """The store has not answered for `silence_s`: the error that ends this meeting as a lost store (the

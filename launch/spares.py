@@ -45,31 +45,33 @@ def _text(claim: dict) -> str:
 
 
 class SpareDoor:
-    """A spare's side: `open` registers it (once it waits in the redundancy list) and watches for a claim on a
-    thread of its own; the agent's thread, in torch's join loop, asks `claimed`, `wait` and `hold`, then
-    `take`s the claim. `close` says it left."""
+    """A spare's side: `open` registers it (whenever it waits in the redundancy list) and watches for a claim
+    on a thread of its own; the agent's thread, in torch's join loop, asks `claimed`, `wait` and `hold`, then
+    `take`s the claim. `leave` (it joined a group through a rendezvous) and `close` (it ended) say it left: a
+    registration lasts as long as its node waits as a spare, and the next wait registers it afresh."""
 
     def __init__(self, where: str, run_id: str, node: str, nproc: int, hold_s: float = 0.0) -> None:
         self.where, self.run_id, self.node, self.nproc = where, run_id, node, nproc
         self.hold_s = hold_s  # how long it stays a spare once a node of the running round is gone (`hold`)
         self._held_since: float | None = None
         self.index: int | None = None
-        self._tried = False  # `open` registers once
+        self._broken = False  # the store did not answer a registration: `open` tries no more
         self.joined: dict | None = None  # the claim its agent's running group started on (launch.agent)
         self._claim: dict | None = None
         self._claimed = threading.Event()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # of the current registration (each `open` its own)
+        self._stop.set()
 
     @property
     def is_open(self) -> bool:
         return self.index is not None and not self._stop.is_set()
 
     def open(self) -> None:
-        """Register on the store and watch for a claim, once (best effort: a store that does not answer leaves
-        this node a spare of the old kind, which joins at the next rendezvous)."""
-        if self._tried:
+        """Register on the store, under a new index, and watch for a claim; nothing while registered (best
+        effort: a store that does not answer leaves this node a spare of the old kind, which joins at the next
+        rendezvous)."""
+        if self.is_open or self._broken:
             return
-        self._tried = True
         try:
             store = coordination_store(self.where, self.run_id, GROUP, STORE_ASK_S)
             index = store.add(COUNT, 1) - 1
@@ -77,9 +79,10 @@ class SpareDoor:
         except Exception as e:  # noqa: BLE001
             log.info(f"cannot register as an in-process spare ({type(e).__name__}: {e}): joining at the next "
                      f"rendezvous only")
+            self._broken = True
             return
-        self.index = index
-        threading.Thread(target=self._watch, args=(store,), name="spare-door", daemon=True).start()
+        self.index, self._stop = index, threading.Event()
+        threading.Thread(target=self._watch, args=(store, index, self._stop), name="spare-door", daemon=True).start()
 
     def claimed(self) -> bool:
         return self._claimed.is_set()
@@ -107,44 +110,51 @@ class SpareDoor:
     def take(self) -> dict | None:
         """The claim that stands, once (the spare joins with it: it is a spare no more; said on the store on a
         thread of its own, off the way to the ranks' start)."""
-        claim, self._claim = self._claim, None
-        self._claimed.clear()
-        self._stop.set()
-        threading.Thread(target=self._say_gone, name="spare-gone", daemon=True).start()
+        claim = self._claim
+        self.leave()
         return claim
+
+    def leave(self) -> None:
+        """It joined a group: a spare no more until `open` registers it again (said on the store on a thread of
+        its own, off the way to the ranks' start; a claim that comes meanwhile finds it gone)."""
+        self._claim = None
+        self._claimed.clear()
+        if self.is_open:
+            self._stop.set()
+            threading.Thread(target=self._say_gone, args=(self.index,), name="spare-gone", daemon=True).start()
 
     def close(self) -> None:
         """Stop watching and say that this spare left (best effort)."""
-        if self._stop.is_set() or self.index is None:
-            return
-        self._stop.set()
-        self._say_gone()
+        if self.is_open:
+            self._stop.set()
+            self._say_gone(self.index)
 
-    def _say_gone(self) -> None:
+    def _say_gone(self, index: int) -> None:
         if not listening_at(self.where, STORE_PROBE_S):  # its host ended (a connection would print C++ frames)
             return
         with contextlib.suppress(Exception):
-            coordination_store(self.where, self.run_id, GROUP, STORE_ASK_S).set(f"{self.index}/gone", "left")
+            coordination_store(self.where, self.run_id, GROUP, STORE_ASK_S).set(f"{index}/gone", "left")
 
-    def _watch(self, store) -> None:
-        """Acknowledge a claim at once, and let it stand once the world of its generation names this spare."""
-        key, rounds, since = _claim_key(self.index), {}, None
-        while not self._stop.wait(SPARE_POLL_S):
+    def _watch(self, store, index: int, stop: threading.Event) -> None:
+        """Acknowledge a claim of registration `index` at once, and let it stand once the world of its
+        generation names this spare; until `stop`."""
+        key, rounds, since = _claim_key(index), {}, None
+        while not stop.wait(SPARE_POLL_S):
             try:
                 value = store.get(key) if store.check([key]) else b""
                 if not value:
                     if since is not None:  # released: its launcher published another world
-                        store.delete_key(f"{self.index}/ack")
+                        store.delete_key(f"{index}/ack")
                     since = None
                     continue
                 claim = json.loads(value)
                 if since is None:
-                    store.set(f"{self.index}/ack", "1")
+                    store.set(f"{index}/ack", "1")
                     since = time.monotonic()
                 where = claim["round"]
                 rounds.setdefault(where, coordination_store(self.where, self.run_id, where, STORE_ASK_S))
                 world = published_world(rounds[where], claim["generation"])
-                if world is not None and world.get("spare", {}).get("index") == self.index:
+                if world is not None and world.get("spare", {}).get("index") == index:
                     self._claim = claim
                     self._claimed.set()
                     return

@@ -31,6 +31,7 @@ from tests.helpers import (
     node_beat,
     read_metrics,
     run_trainer,
+    wait_for,
     wait_for_event,
     wait_for_one_group,
     wait_for_step,
@@ -243,57 +244,93 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_and_the_run_stays_bit_ident
     the recovery's generation, the world size unchanged: the survivor keeps its process, the spare's rank
     restores the lost node's state from the survivor's peer copy (`memory-peer`), nobody restarts, and every
     loss is bit-identical to an uninterrupted run of the same world. A launcher started then waits as the next
-    spare (the spare took the lost node's seat in torch's round), and when the job ends exits 0 saying so in
+    spare (the spare took the lost node's seat in torch's round).
+
+    Then a SIGTERM to a rank restarts every node through a rendezvous: three launchers for two seats, one left
+    a spare. Whichever it is, the next lost node is replaced by it in process: a launcher seated by that
+    rendezvous is a spare no more (it was one before, registered; a claim of it would wait for ranks that
+    never come, and restart the group). A fifth launcher waits as a spare to the end and exits 0 saying so in
     one line, with no store error and no C++ stack frames."""
-    steps = 60
-    run = ["train.steps=60", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
+    steps = 150
+    run = [f"train.steps={steps}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=400",
            "fault.straggler_factor=0"]
     reference = tmp_path / "reference"
     run_trainer(reference, [*run, "train.log_every=1", "train.eval_every=0", KNOWN_PEAK], nproc=2)
     run_dir = tmp_path / "run"
     args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=spare-in-process"]
 
-    def node(name: str, env: dict | None = None) -> subprocess.Popen:
+    def node(name: str) -> subprocess.Popen:
         return launch(run_dir, [*run, "checkpoint.memory_every=1", f"checkpoint.memory_dir={tmp_path / name}"],
-                      nproc=1, extra_args=args, env=env)
+                      nproc=1, extra_args=args, env={"REKINDLE_SLOW_RANK": f"0:0.25@1-{steps}"})  # outlasts it all
 
-    slow = {"REKINDLE_SLOW_RANK": "0:0.25@1-60"}  # the run outlasts the spare's start
-    procs = [node("shm-a", slow), node("shm-b", slow)]
-    spare = None
+    def training(launchers: list) -> list:
+        """The launchers whose rank trains now (its process alive)."""
+        beats = {p: node_beat(run_dir, p.pid) for p in launchers}
+        return [p for p, b in beats.items() if b is not None and os.path.exists(f"/proc/{b.pid}")]
+
+    procs = [node("shm-a"), node("shm-b")]
     try:
         wait_for_event(run_dir, "rendezvous", count=2, launchers=procs)
         wait_for_one_group(run_dir, procs, 2)
-        spare = node("shm-s", slow)
-        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=[*procs, spare])
-        host = procs[rendezvous_host(run_dir, procs)]
-        victim = next(p for p in procs if p is not host)
+        procs.append(node("shm-s"))
+        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=procs)
+        h = rendezvous_host(run_dir, procs[:2])
+        host, victim, spare = procs[h], procs[1 - h], procs[2]
         kept = node_beat(run_dir, host.pid).pid
         lost_rank = node_beat(run_dir, victim.pid).rank
         kill_tree(victim.pid)
-        (joined,) = wait_for_event(run_dir, "spare_joined", timeout=60, launchers=[host, spare])
-        wait_for_event(run_dir, "in_process_done", timeout=60, launchers=[host, spare])
+        live = [host, spare]
+        (joined,) = wait_for_event(run_dir, "spare_joined", timeout=60, launchers=live)
+        wait_for_event(run_dir, "in_process_done", timeout=60, launchers=live)
         after = node_beat(run_dir, host.pid)
         # The spare took the lost node's seat in the round: torch counts it whole, so a node started now waits as
         # the next spare instead of joining (which would drain and restart the group).
-        procs.append(node("shm-t"))
-        wait_for_event(run_dir, "spare_waiting", count=2, timeout=60, launchers=[host, spare, procs[-1]])
-        outs = [finish(p, timeout=120) for p in (host, spare, procs[-1])]
+        live.append(node("shm-t"))
+        procs.append(live[-1])
+        wait_for_event(run_dir, "spare_waiting", count=2, timeout=60, launchers=live)
+        assert training(live) == [host, spare], "a launcher started as a spare joined the group"
+        # Every node restarts through a rendezvous (a rank preempted): two of the three are seated.
+        group = node_beat(run_dir, host.pid).group
+        os.kill(node_beat(run_dir, spare.pid).pid, signal.SIGTERM)
+
+        def restarted() -> bool:
+            beats = [node_beat(run_dir, p.pid) for p in training(live)]
+            return len(beats) == 2 and len({b.group for b in beats} - {group}) == 1 and min(b.step for b in beats) > 0
+
+        wait_for("the group restarted with two of the three launchers", restarted, timeout=90)
+        seated = training(live)
+        time.sleep(2.0)  # the one left out registers as a spare from torch's join loop (within a second)
+        lost = next(p for p in seated if p is not host)
+        kill_tree(lost.pid)
+        second_loss = time.time()
+        live.remove(lost)
+        wait_for_event(run_dir, "spare_joined", count=2, timeout=60, launchers=live)
+        wait_for_event(run_dir, "in_process_done", count=2, timeout=60, launchers=live)
+        live.append(node("shm-u"))
+        procs.append(live[-1])
+        wait_for_event(run_dir, "spare_waiting", count=3, timeout=60, launchers=live)
+        outs = [finish(p, timeout=120) for p in live]
     finally:
-        for p in [*procs, *([spare] if spare else [])]:
+        for p in procs:
             kill_tree(p.pid)
-    assert [host.returncode, spare.returncode, procs[-1].returncode] == [0, 0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert [p.returncode for p in live] == [0, 0, 0], [out[-3000:] for out in outs]
     assert after.pid == kept and after.generation == 1, after  # the survivor kept its process
     assert joined["in_process"] and joined["generation"] == 1 and joined["ranks"] == [lost_rank], joined
     events = read_events(run_dir)
-    assert not [e for e in events if e["event"] in ("restart", "in_process_fallback")], events
-    assert [e for e in events if e["event"] == "rendezvous"][4:] == [], events  # nobody met again (4 launchers)
-    (done,) = [e for e in events if e["event"] == "in_process_done"]
-    assert done["spare"] == f"{socket.gethostname()}:{spare.pid}" and done["kept_pids"] == [kept], done
+    assert not [e for e in events if e["event"] == "in_process_fallback"], events
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert restarts and all(e["time"] < second_loss for e in restarts), events  # the SIGTERM's only
+    assert len([e for e in events if e["event"] == "rendezvous"]) == 5, events  # one meeting per launcher
+    done = [e for e in events if e["event"] == "in_process_done"]
+    assert done[0]["spare"] == f"{socket.gethostname()}:{spare.pid}" and done[0]["kept_pids"] == [kept], done
+    assert len(done) == 2 and done[1]["spare"], done  # the second loss: a spare too
+    second = [e for e in events if e["event"] == "spare_joined"][1]
+    assert second["in_process"] and second["node"] != f"{socket.gethostname()}:{lost.pid}", second
     resumes = {e["tier"] for e in events if e["event"] == "resume" and e["time"] > joined["time"] - 5}
     assert "memory-peer" in resumes, events[-12:]
     assert "world 1 (gloo" not in "".join(outs), outs[0][-3000:]
-    # The next spare, when the job ends: exit 0 in one line, no store error, no C++ stack frames.
-    assert "the job finished (step 60 committed) while this node waited to join: nothing left to do here" in \
+    # The last spare, when the job ends: exit 0 in one line, no store error, no C++ stack frames.
+    assert f"the job finished (step {steps} committed) while this node waited to join: nothing left to do here" in \
         outs[2], outs[2][-3000:]
     assert "frame #" not in outs[2] and "Traceback" not in outs[2] and "launcher error" not in outs[2], outs[2][-3000:]
     assert "worker(s) started" not in outs[2] and "this node waits as a spare" in outs[2], outs[2][-3000:]

@@ -244,3 +244,32 @@ def test_a_spare_whose_launcher_does_not_answer_is_passed_over_for_a_smaller_wor
     assert smaller_world(b, 1, 1, waited_s=0.2) == ([0, 1], "", "")
     assert SPARE_ACK_S <= time.monotonic() - started < SPARE_ACK_S + 2.0
     assert spares.check(["0/gone"]) and spares.get("0/claim") == b""
+
+
+def test_a_spare_that_joined_through_a_rendezvous_is_not_claimed_until_it_waits_again(store_at):
+    """A registered spare that met the others in a new round (`leave`) is passed over at once: the survivors
+    go on in a smaller world instead of waiting for ranks that never come. Waiting as a spare again, it
+    registers afresh (a new index) and is claimed."""
+    store = coordination_store(store_at, "job", "r1", 5.0)
+    door = SpareDoor(store_at, "job", "spare-1", 2)
+    door.open()
+    try:
+        first = door.index
+        door.leave()
+        spares = coordination_store(store_at, "job", "spares", 5.0)
+        assert wait_until(lambda: spares.check([f"{first}/gone"]), 5.0, 0.02), "leaving was never said"
+        assert not door.is_open
+        b = Node(1, 2)
+        for rank in (2, 3):
+            store.set(arrived_key(1, rank), "{}")
+        started = time.monotonic()
+        assert smaller_world(b, 1, 1, waited_s=0.2) == ([0, 1], "", "")
+        assert time.monotonic() - started < SPARE_ACK_S  # not asked: no wait for an answer
+        door.open()
+        assert door.is_open and door.index == first + 1
+        for rank in (2, 3):
+            store.set(arrived_key(2, rank), "{}")
+        assert smaller_world(b, 2, 1, waited_s=0.2) == ([0, 1], "", "spare-1")
+        assert door.wait(5.0) and door.take()["generation"] == 2
+    finally:
+        door.close()
