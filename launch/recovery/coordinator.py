@@ -134,8 +134,7 @@ class RecoveryCoordinator:
                             replaced=tuple(sorted(e.exits)), kept_pids=tuple(sorted(p.kept.values())),
                             noticed=p.noticed, again=True)]
         failure = self.state.failure if isinstance(self.state, HangKilled) else e.failure
-        if isinstance(self.state, HangKilled):
-            self.state = Idle()
+        self.state = Idle() if isinstance(self.state, HangKilled) else self.state
         if not self.mode.in_process:
             return [*self._restarting(e.beats), LetFail()]
         if p is not None:
@@ -181,8 +180,7 @@ class RecoveryCoordinator:
         every rank of this node has finished a step in its generation."""
         segment = self._follow(e)
         p = self.pending
-        ready = [b for b in e.beats.values() if p is not None and b.generation >= p.generation
-                 and b.startup.t_first]
+        ready = [b for b in e.beats.values() if p is not None and b.generation >= p.generation and b.startup.t_first]
         if p is None or not e.beats or len(ready) < len(e.beats):
             return segment
         self.state = Idle()
@@ -256,22 +254,24 @@ class RecoveryCoordinator:
         return e.now - self.deferred[1] < HANG_DEFER_S * (1 + e.node)
 
     def _silent(self, s: Silence, e: Tick) -> list[Action]:
-        """Nodes of the group went silent: go on without them (told, in process, when this node is left alone
-        and may; else a restart without them), or stop when this side is not a majority."""
+        """Nodes of the group went silent: every surviving node tells its ranks to leave their collectives, and
+        they are lost as a node lost with a word is (`_lost_node`: a spare, or a smaller world); else a restart
+        without them. Stop when this side is not a majority."""
         if self.told is not None and e.now - self.told.at < TOLD_S:
             return []
-        size, silent = s.group_size, ", ".join(s.silent)
-        live = size - len(s.silent)
+        size, silent, live = s.group_size, ", ".join(s.silent), s.group_size - len(s.silent)
         notes = [] if self.told is not None else [Note(event="partition", fields=dict(
             silent=list(s.silent), live=live, group_size=size))]
         if not goes_on(live, size, s.last_endpoint):
             reason = (f"this node is cut off: only {live} of the group's {size} node(s) answer (not a majority; "
                       f"silent: {silent}): stopping without committing, launch again to resume")
             return [*notes, Stop(Decision(False, exit_code=EXIT_PREEMPTED, reason=reason), outvoted=True), Restart()]
-        if (self.told is None and live == 1 and e.can_tell and self.mode.smaller and self.mode.min_nodes <= 1
-                and self.pending is None):
+        if self.told is None and isinstance(self.state, Pending) and (self.state.lost or self.state.spare):
+            self.told = Told(at=e.now, since=s.last_heard, silent=silent)  # sent on by another node's launcher
+            return notes
+        if self.told is None and e.can_tell and self.mode.smaller and self.pending is None:
             generation = self.next_generation(e.beats)
-            self.told = Told(at=e.now, since=s.last_heard)
+            self.told = Told(at=e.now, since=s.last_heard, silent=silent)
             return [*notes, Note(f"the launcher(s) of {silent} stopped answering for {s.lost_s:.0f}s (lost, or cut "
                                  f"off): telling the ranks here to leave generation {generation - 1} and go on "
                                  f"without them"), Announce(generation, handled=False)]
@@ -283,8 +283,9 @@ class RecoveryCoordinator:
     def _published(self, e: WorldPublished) -> list[Action]:
         """A spare starts a lost node's ranks, or its survivors go on in a smaller world; else a restart."""
         lost = list(e.lost)
-        failure = Failure(lost[0] if lost else 0, "node", e.step, key="node lost", message=(
-            f"rank(s) {lost} of another node stopped answering: the node is lost" if lost else f"a peer left: {e.why}"))
+        silent = f" (the launcher(s) of {self.told.silent} silent)" if self.told and self.told.silent else ""
+        failure = Failure(lost[0] if lost else 0, "node", e.step, key="node lost", message=f"rank(s) {lost} of another "
+                          f"node stopped answering{silent}: the node is lost" if lost else f"a peer left: {e.why}")
         fallback = self._fallback(e.why, failure.rank) if e.why else []
         verdict = self._decide(failure, "", "restart" if e.why else "in-process")
         if e.why or isinstance(verdict[-1], Stop):
@@ -355,8 +356,7 @@ class RecoveryCoordinator:
                 and b.generation < p.generation and b.recovery.recovering < p.generation}
 
     def _stuck_unaware(self, found: dict[int, int]) -> tuple[int, str] | None:
-        """On one node, when none of the survivors noticed (`found`: `_unaware`): with no survivor to take its
-        settings from, the recovery cannot go on (it is dropped)."""
+        """On one node, none of the survivors noticed (`found`: `_unaware`): the recovery cannot go on."""
         p = self.pending
         if not found or not self.mode.single_node or set(found.values()) != set(p.kept.values()):
             return None

@@ -72,10 +72,11 @@ class Recorded:
 
 @dataclass(frozen=True, slots=True)
 class Told:
-    """The ranks here were told at `at` to leave their generation: nodes silent since `since` are lost."""
+    """The ranks here were told at `at` to leave their generation: nodes `silent` since `since` are lost."""
 
     at: float
     since: float
+    silent: str = ""  # their launchers, as the ledger names them
 
 
 State = Idle | Pending | HangKilled | Recorded

@@ -112,6 +112,7 @@ def published(why: str = "") -> WorldPublished:
 
 ALONE = Silence(("node-b",), 2, True, T0 - 6, 5.0)  # half the group, at the last endpoint: goes on
 MINORITY = Silence(("node-b", "node-c"), 3, False, T0 - 6, 5.0)
+ONE_OF_THREE = Silence(("node-c",), 3, False, T0 - 6, 5.0)  # two nodes survive
 
 # (name, mode, restart budget, events before, the event, the actions that follow, the state after)
 ROWS = [
@@ -197,6 +198,12 @@ ROWS = [
      [CheckHangs], Idle),
     ("told, not gone on by TOLD_S: a restart without the silent node", SMALLER, 3, [tick(T0, silence=ALONE)],
      tick(T0 + TOLD_S, silence=ALONE), [Record, Proceed, Restart], Idle),
+    ("a node silent, two survivors: each tells its ranks to go on without it", SMALLER, 3, [],
+     tick(T0, silence=ONE_OF_THREE), [Note, Note, Announce, CheckHangs], Idle),
+    ("...the other survivor's world taken first (its ranks told already): no restart", SMALLER, 3, [published()],
+     tick(T0 + 1, silence=ONE_OF_THREE), [Note, CheckHangs], Pending),
+    ("...and nothing more within TOLD_S", SMALLER, 3, [published(), tick(T0 + 1, silence=ONE_OF_THREE)],
+     tick(T0 + 1 + TOLD_S / 2, silence=ONE_OF_THREE), [CheckHangs], Pending),
     ("a minority of a partition stops", SMALLER, 3, [], tick(T0, silence=MINORITY), [Note, Stop, Restart], Idle),
     ("a node of the group restarted it: a failure here too", RESTARTS, 3, [], GroupLeft(("node-b",), 5),
      [Record, Proceed], Idle),
