@@ -69,8 +69,7 @@ class SupervisedAgent(LocalElasticAgent):
         self.meeting = Round()  # the running group's rendezvous round
         self.move = Move(coord_store=os.environ.get(COORD_STORE_ENV, ""))  # its part in a move (`hand_over`, `adopt`)
         self.door = door  # a spare's way into a running group, in a lost node's place (launch.spares)
-        if door is not None:
-            claimable(spec.rdzv_handler, door)
+        claimable(spec.rdzv_handler, door)
 
     # ------------------------------------------------------------------ the supervisor's interface
     def supervise(self) -> str:

@@ -98,9 +98,10 @@ class SpareClaimed(Exception):
     node's place (launch.spares)."""
 
 
-def claimable(handler, door) -> None:
-    """Let a claim of `door` (launch.spares.SpareDoor) take this node out of the rendezvous's join loop: it
-    takes the lost node's seat in the round (`_Claimable._seat`) and `SpareClaimed` is raised. While it waits
+def claimable(handler, door=None) -> None:
+    """Wrap torch's rendezvous join loop: nodes left in the wait list of a round that filled without them are
+    made spares (every job). With a `door` (launch.spares.SpareDoor), a claim takes this node out of the loop:
+    it takes the lost node's seat in the round (`_Claimable._seat`) and `SpareClaimed` is raised. While it waits
     as a spare, torch's one-second pauses between looks are cut short by a claim, and when a node of the
     running round is gone it stays in the redundancy list for a while (`SpareDoor.hold`) instead of moving to
     the wait list. Nothing when torch moved its internals (a spare then joins at the next rendezvous only)."""
@@ -125,7 +126,7 @@ class _Claimable:
 
         def handle(ctx, deadline):
             state = ctx.state
-            if door.claimed():
+            if door is not None and door.claimed():
                 return self._seat(ctx)
             if state.complete and state.wait_list and len(state.participants) >= ctx.settings.max_nodes:
                 # Nodes left waiting for a round that filled without them (more nodes than MAX met after a
@@ -135,7 +136,7 @@ class _Claimable:
                 state.wait_list.clear()
                 return actions.KEEP_ALIVE
             action = state_handler(ctx, deadline)
-            if ctx.node not in state.redundancy_list:
+            if door is None or ctx.node not in state.redundancy_list:
                 return action
             door.open()  # (once: at once, not at the supervisor's next look, or torch would pause a second first)
             if not door.is_open:

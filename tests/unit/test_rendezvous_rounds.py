@@ -125,3 +125,11 @@ def test_a_claimed_spare_takes_the_lost_nodes_seat_a_spare_holds_and_a_leftover_
     assert state.wait_list == set() and state.redundancy_list == {"w"}
     torch_says.append(actions.FINISH)
     assert handle(SimpleNamespace(node="a", state=state, settings=ctx.settings), 0) == actions.FINISH
+
+    # Without a door (no in-process spares: a job without in-process recovery), the leftover waiter too.
+    bare = _Claimable(None, None, actions)._wrap(lambda c, d: torch_says[-1])
+    state.redundancy_list, state.wait_list = set(), {"w"}
+    assert bare(SimpleNamespace(node="a", state=state, settings=ctx.settings), 0) == actions.KEEP_ALIVE
+    assert state.wait_list == set() and state.redundancy_list == {"w"}
+    torch_says.append(actions.SYNC)
+    assert bare(SimpleNamespace(node="w", state=state, settings=ctx.settings), 0) == actions.SYNC  # torch's pause

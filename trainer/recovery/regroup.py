@@ -312,9 +312,10 @@ class Regroup:
         spare = [False]  # a spare's ranks take the lost ones' places: they are waited for, as replacements
 
         def smaller() -> bool:
-            if spare[0] or not self.store.check([world_key]):
+            world = None if spare[0] else published_world(self.store, generation)
+            if world is None:
                 return False
-            spare[0] = "spare" in json.loads(self.store.get(world_key))
+            spare[0] = "spare" in world
             return not spare[0]
 
         if not wait_until(lambda: self.store.check(arrivals) or stop() or smaller(), self.timeout_s, POLL_S):
