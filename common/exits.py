@@ -9,6 +9,7 @@ EXIT_USAGE = 2  # bad command line, config or input: restarting cannot fix it
 EXIT_CRASH_LOOP = 3  # launcher: the same failure at the same step again and again
 EXIT_STORAGE = 4  # storage (checkpoints, data) could not be used, or stalled, within its bounds (storage.*);
 #                   it may come back: the launcher restarts with backoff, and exits 4 when its budget is spent
+EXIT_FAULTY = 5  # a rank computes wrong results (trainer.health): its node is set aside (run.dir/excluded-nodes)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after an emergency checkpoint; launch again to resume
 
-__all__ = ["EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_STORAGE", "EXIT_USAGE"]
+__all__ = ["EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_FAULTY", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_STORAGE", "EXIT_USAGE"]

@@ -21,8 +21,9 @@ data.loader adds worker processes on top.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -82,9 +83,12 @@ class BatchGeometry:
 
 @dataclass
 class StreamState:
-    """Where the stream is: the global training samples consumed so far (the data state's position)."""
+    """Where the stream is: the global training samples consumed so far (the data state's position), and the
+    stretches of the stream the run skipped (positions [first, end): a step's update not applied because its
+    data made the loss spike, trainer.health)."""
 
     samples_consumed: int = 0
+    skipped: list[list[int]] = field(default_factory=list)
 
 
 class TokenStream:
@@ -184,9 +188,19 @@ class TokenStream:
     def next_batch(self) -> torch.Tensor:
         """This rank's slice of the next global batch: (global_batch / world, seq_len + 1) int64."""
         g = self.geometry
-        indices = self.sample_indices(self.state.samples_consumed + g.rank * g.local_batch, g.local_batch)
+        position = self.state.samples_consumed + g.rank * g.local_batch
+        indices = self.sample_indices(position, g.local_batch)
         self.state.samples_consumed += g.global_batch
-        return self._samples(indices)
+        return poisoned(self._samples(indices), position, self.shards.manifest.vocab_size)
+
+    def skip(self, first: int, end: int) -> None:
+        """Record that the run skipped the stream's positions [first, end) (kept in the data state)."""
+        if [first, end] not in self.state.skipped:
+            self.state.skipped.append([first, end])
+
+    def was_skipped(self, first: int, end: int) -> bool:
+        """Whether the run skipped the positions [first, end) before (a step replayed after a resume)."""
+        return [first, end] in self.state.skipped
 
     def positions(self, batch: torch.Tensor) -> torch.Tensor:
         """Position ids (B, seq_len) for the inputs batch[:, :-1]: reset to 0 after every EOS."""
@@ -222,6 +236,7 @@ class TokenStream:
             "manifest_sha256": self.manifest_sha256,
             "n_train": self.n_train,  # set by data.val_fraction: the epoch length and the held-out samples
             "epoch": self.epoch,
+            "skipped": [list(r) for r in self.state.skipped],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,4 +259,22 @@ class TokenStream:
                 f"saved data state consumed {consumed} samples, not a multiple of the global batch "
                 f"{self.geometry.global_batch}: the global batch changed since the checkpoint"
             )
-        self.state = StreamState(samples_consumed=consumed)
+        self.state = StreamState(samples_consumed=consumed, skipped=[list(r) for r in state.get("skipped", [])])
+
+
+POISON_ENV = "REKINDLE_POISON"  # test-only: "first-last", stream positions whose samples are random tokens
+
+
+def poisoned(rows: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+    """`rows` (samples at stream positions position, position + 1, ...) with those REKINDLE_POISON names
+    replaced by random tokens, seeded by their position (the same in every run, on any number of ranks): a
+    poisoned stretch of data for the tests. A no-op without the variable."""
+    value = os.environ.get(POISON_ENV, "")
+    if not value:
+        return rows
+    first, _, last = value.partition("-")
+    for i in range(rows.shape[0]):
+        if int(first) <= position + i <= int(last or first):
+            rng = np.random.default_rng([position + i, 7])
+            rows[i] = torch.from_numpy(rng.integers(0, vocab_size, size=rows.shape[1])).to(rows.dtype)
+    return rows

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.errors import says_collective_failed, says_peer_lost
-from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, HeartbeatRecord
+from trainer.contract import EXIT_FAULTY, EXIT_PREEMPTED, EXIT_STORAGE, HeartbeatRecord
 
 if TYPE_CHECKING:
     from launch.watchdog import Hang
@@ -43,7 +43,8 @@ class Failure:
     def describe(self) -> str:
         how = {"exit": f"exited with code {self.exit_code}", "signal": f"was killed by {self.signal}",
                "hang": "hung", "preemption": "was preempted (SIGTERM)",
-               "storage": "could not use its storage", "node": "was lost with its node"}[self.cause]
+               "storage": "could not use its storage", "node": "was lost with its node",
+               "faulty": "computes wrong results"}[self.cause]
         text = f"rank {self.rank} {how} at step {self.step}"
         return f"{text}: {self.message}" if self.message else text
 
@@ -167,6 +168,8 @@ def from_exits(exits: dict[int, RankExit], victims: set[int], beats: dict[int, H
         return Failure(rank, "preemption", step, cause.exit_code), ""
     if cause.exit_code == EXIT_STORAGE:  # the rank said which URL, in one line: no traceback
         return Failure(cause.rank, "storage", step, cause.exit_code, message=first_line(cause.error)), ""
+    if cause.exit_code == EXIT_FAULTY:  # the rank's check named it (trainer.health), in one line
+        return Failure(cause.rank, "faulty", step, cause.exit_code, message=first_line(cause.error)), ""
     return (Failure(cause.rank, "exit", step, cause.exit_code, message=first_line(cause.error),
                     key=failure_key(cause.error)), traceback_tail(cause.error))
 

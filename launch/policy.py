@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launch.failures import Failure
-from trainer.contract import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_STORAGE, EXIT_USAGE
+from trainer.contract import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_FAULTY, EXIT_STORAGE, EXIT_USAGE
 
 
 @dataclass
@@ -34,6 +34,10 @@ class RestartPolicy:
         if failure.cause == "exit" and failure.exit_code == EXIT_USAGE:
             return Decision(False, exit_code=EXIT_USAGE,
                             reason=f"{failure.describe()}\nbad input (exit code 2): restarting cannot fix it")
+        if failure.cause == "faulty":
+            return Decision(False, exit_code=EXIT_FAULTY, reason=(
+                f"{failure.describe()}\nthis node is set aside (named in run.dir/excluded-nodes): the other nodes go "
+                f"on without it, a spare in its place; launch again elsewhere to resume here"))
         tail = self.history[-self.crash_loop_repeats:]
         looping = len(tail) == self.crash_loop_repeats and len({f.signature() for f in tail}) == 1
         if looping and failure.cause != "storage":

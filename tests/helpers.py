@@ -69,12 +69,12 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run_trainer(
     run_dir: Path, overrides: list[str] = (), nproc: int = 1, timeout: float = 180, config: Path = SMOKE,
-    check: bool = True,
+    check: bool = True, env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run the trainer to completion in fresh processes (bounded by `timeout`)."""
+    """Run the trainer to completion in fresh processes (bounded by `timeout`; `env`: added variables)."""
     args = [f"run.dir={run_dir}", "log.progress=false", *overrides]
     proc = subprocess.run(
-        trainer_cmd(nproc, config, args), cwd=REPO, env=child_env(), capture_output=True, text=True,
+        trainer_cmd(nproc, config, args), cwd=REPO, env=child_env(**(env or {})), capture_output=True, text=True,
         timeout=timeout,
     )
     if check and proc.returncode != 0:

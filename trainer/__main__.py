@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from data.shards import CorruptShardError, NotADatasetError, ShardError
     from data.stream import DataStateError
     from trainer.checkpoint import CheckpointError, IncompatibleCheckpointError
+    from trainer.health.check import FaultyRank
     from trainer.loop import train
     from trainer.runtime.fault import Preempted
     from trainer.runtime.lease import DirectoryInUse
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"[rekindle] {e}", file=sys.stderr)
         return protocol.EXIT_PREEMPTED
+    except FaultyRank as e:  # its node is set aside (the launcher does not restart it)
+        print(f"error: {e}", file=sys.stderr)
+        ErrorHandler().record_exception(e)
+        return protocol.EXIT_FAULTY
     except (ConfigError, ShardError, DataStateError, CheckpointError, NonFiniteError, DirectoryInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         ErrorHandler().record_exception(e)  # the launcher's ledger names the cause (no-op without torchrun)

@@ -32,7 +32,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from common.exits import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
+from common.exits import (
+    EXIT_CRASH_LOOP,
+    EXIT_FAILED,
+    EXIT_FAULTY,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+)
 from common.process import die_with_parent, exit_now, is_alive, proc_stat
 from common.storage import atomic_file, temp_name
 from trainer.config import Config, ConfigError, load, validate
@@ -85,7 +93,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "COORD_STORE_ENV", "GENERATION_ENV", "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_OK", "EXIT_PREEMPTED",
+    "COORD_STORE_ENV", "GENERATION_ENV", "EXIT_CRASH_LOOP", "EXIT_FAILED", "EXIT_FAULTY", "EXIT_OK", "EXIT_PREEMPTED",
     "EXIT_STORAGE", "EXIT_USAGE", "HEARTBEAT_DIR_ENV", "HeartbeatRecord", "JOB_ENV", "LAUNCHER_PID_ENV", "ROUND_ENV",
     "Config", "ConfigError",
     "append_event", "arrived_key", "atomic_file", "failed_key", "handled_key", "next_generation", "store_prefix",

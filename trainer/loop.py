@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
 from common import storage
 from common.errors import peer_lost
 from trainer.checkpoint import memory_auto
 from trainer.config import Config
 from trainer.distributed import parallel
+from trainer.health.check import FaultyRank, Verdict
+from trainer.health.exclusion import set_aside
 from trainer.observability import logs
 from trainer.observability.cost import cost_report, format_cost
 from trainer.observability.metrics import BREAKDOWN, format_breakdown, with_other
@@ -57,8 +61,7 @@ def train(cfg: Config) -> dict:
             try:
                 step_start = time.perf_counter()
                 micros, data_wait = next_batch(run, progress)
-                result = train_step(run.model, run.optimizer, micros, cfg, run.info, meters.timer,
-                                    fault.slowdown(progress.state.step + 1, run.info.rank))
+                result = take_step(run, meters, progress, micros)
                 after_step(run, meters, progress, result, step_start, data_wait)
             except Exception as error:
                 if regroup is None or not peer_lost(error):
@@ -99,11 +102,46 @@ def next_batch(run: Run, progress: Progress) -> tuple[list, float]:
     return micros, data_wait
 
 
+def take_step(run: Run, meters: Meters, progress: Progress, micros: list) -> StepResult:
+    """The step, checked (trainer.health); not computed when the run skipped its data before (a step run again
+    after a resume: its update was not applied then either)."""
+    step, stream = progress.state.step + 1, run.loader.stream
+    end = stream.state.samples_consumed
+    if stream.was_skipped(end - stream.geometry.global_batch, end):
+        meters.timer.start(), meters.timer.mark(), meters.timer.mark()
+        nan = torch.full((), float("nan"))
+        return StepResult(nan, float("nan"), skipped=True, verdict=None)
+    return train_step(run.model, run.optimizer, micros, run.cfg, run.info, meters.timer,
+                      fault.slowdown(step, run.info.rank), health=meters.health, step=step)
+
+
+def say_verdict(run: Run, step: int, verdict: Verdict) -> None:
+    """A step's check found something (trainer.health.check): data at fault (its samples skipped, in the data
+    state), a transient corruption (the replay's results applied), or a faulty rank (this one ends)."""
+    stream = run.loader.stream
+    end = stream.state.samples_consumed
+    first = end - stream.geometry.global_batch
+    if verdict.kind == "data":
+        stream.skip(first, end)
+    if run.info.is_main:
+        what = {"data": f"the data is at fault: step {step}'s update not applied, samples [{first}, {end}) skipped",
+                "transient": f"a transient corruption on rank(s) {verdict.ranks}: the step redone from the replay",
+                "faulty": f"rank(s) {verdict.ranks} compute wrong results: faulty"}[verdict.kind]
+        log.warning("step %d: %s (%s)", step, what, verdict.evidence)
+        protocol.append_event(run.cfg.run.dir, "verdict", **verdict.fields(), samples=[first, end])
+    if verdict.kind == "faulty" and run.info.rank in verdict.ranks:
+        host = set_aside(run.cfg.run.dir, run.info.rank, step, verdict.evidence)
+        raise FaultyRank(f"step {step}: this rank (rank {run.info.rank}) computes wrong results: its node {host} is "
+                         f"set aside ({verdict.evidence})")
+
+
 def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult, step_start: float,
                data_wait: float) -> None:
     """Account for the step, then evaluate, log, save and honour a preemption, each when it is due."""
     cfg, info, state = run.cfg, run.info, progress.state
     step = state.step + 1
+    if result.verdict is not None:
+        say_verdict(run, step, result.verdict)
     meters.guard.check(step, result)
     state.step, state.tokens_seen = step, state.tokens_seen + run.tokens_per_step
     run.checkpointer.poll()  # completes (or fails loudly) a background save once every rank has written it
@@ -122,13 +160,13 @@ def after_step(run: Run, meters: Meters, progress: Progress, result: StepResult,
     saved = run.checkpointer.should_save(step, final)
     if saved:
         run.process.heartbeat.beat("save")
-        state.data = run.loader.state_dict()
+        state.data, state.health = run.loader.state_dict(), meters.health.state_dict()
         path = run.checkpointer.save(state, run.model, run.optimizer, blocking=final or not cfg.checkpoint.async_,
                                      required=final)
         if path is not None:  # else: a periodic save failed, and said so
             log.info("checkpoint step %d -> %s (%.2fs blocking)", step, path, run.checkpointer.last_blocking_s)
     if run.memory is not None and run.memory.due(step) and not final:
-        state.data = run.loader.state_dict()
+        state.data, state.health = run.loader.state_dict(), meters.health.state_dict()
         run.memory.snapshot(state, run.model, run.optimizer, records=meters.records.unwritten())
         if meters.memory_measure is not None:
             measure_memory_tier(run, meters, time.perf_counter() - step_start)
@@ -182,7 +220,7 @@ def emergency_checkpoint(run: Run, meters: Meters, progress: Progress, saved: bo
     if saved:
         run.checkpointer.wait()  # an async save of this very step: let it commit
     if not saved or run.checkpointer.failed_in_a_row:  # not saved, or that save failed: this one must not
-        progress.state.data = run.loader.state_dict()
+        progress.state.data, progress.state.health = run.loader.state_dict(), meters.health.state_dict()
         run.checkpointer.save(progress.state, run.model, run.optimizer, blocking=True, required=True)
     release(run, meters)
     log.info("SIGTERM: emergency checkpoint of step %d committed; exiting with code %d", progress.state.step,

@@ -9,6 +9,8 @@ from dataclasses import asdict
 from trainer.checkpoint import CheckpointError, TrainState, memory_auto, step_dir
 from trainer.config import resume_rules
 from trainer.distributed import parallel
+from trainer.health.anomaly import AnomalyRule
+from trainer.health.check import StepHealth
 from trainer.observability import logs, wandb_log
 from trainer.observability.metrics import LogWindow, MetricsLog, PendingRecords, RecordDraft, StepTimer
 from trainer.observability.profiling import StepProfiler
@@ -49,6 +51,7 @@ def resume(run: Run) -> Progress:
                 log.info("memory tier not used: %s", why)
         elif mode != "never":
             log.info("no committed checkpoint in %s: starting fresh", root)
+    skip_known_data(run, progress.state.step)
     run.process.heartbeat.beat("loaded", step=progress.state.step, t_loaded=time.time(),
                                resumed_step=progress.state.step, resumed_tier=progress.resumed_tier, tier_why=why[:200])
     return progress
@@ -58,6 +61,17 @@ def fresh_state(run: Run) -> TrainState:
     """Step 0 of this run: its world, config and model arguments."""
     cfg = run.cfg
     return TrainState(world=run.info.world, config_sha256=cfg.sha256(), model=asdict(cfg.model), config=cfg.to_dict())
+
+
+def skip_known_data(run: Run, step: int) -> None:
+    """The samples the run skipped after `step` (the ledger's data verdicts, trainer.health): a resume from
+    before them skips exactly those, on any number of ranks, without judging them again. Read on rank 0."""
+    found = None
+    if run.info.is_main:
+        found = [e["samples"] for e in protocol.read_events(run.cfg.run.dir)
+                 if e["event"] == "verdict" and e.get("kind") == "data" and e["step"] > step and "samples" in e]
+    for first, end in parallel.broadcast_object(found, run.info) or []:
+        run.loader.stream.skip(first, end)
 
 
 def start_meters(run: Run, progress: Progress) -> Meters:
@@ -77,8 +91,11 @@ def start_meters(run: Run, progress: Progress) -> Meters:
     measure = memory_auto.Measure(on_cpu=info.device.type == "cpu") if measuring else None
     progress.start_step, progress.started = progress.state.step, time.perf_counter()
     run.model.train()
+    f = cfg.fault
+    health = StepHealth(AnomalyRule(f.anomaly_window, f.anomaly_threshold), f.verify_every)
+    health.load_state_dict(progress.state.health)
     return Meters(metrics, timer, LogWindow(timer), comm, profiler, NonFiniteGuard(t.max_bad_steps), stragglers,
-                  records, measure)
+                  records, health, measure)
 
 
 def tier_choice(run: Run, in_memory: int | None, durable: int | None, other: tuple[int, int] | None = None) -> str:

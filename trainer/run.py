@@ -25,6 +25,7 @@ from trainer.config import Config, ConfigError, micro_batch_size, validate
 from trainer.config import save as save_config
 from trainer.distributed import parallel
 from trainer.evaluate import Evaluator
+from trainer.health.check import StepHealth
 from trainer.model.transformer import Transformer
 from trainer.observability import logs
 from trainer.observability.metrics import LogWindow, MetricsLog, PendingRecords, RecordDraft, StepTimer, peak_flops
@@ -112,6 +113,7 @@ class Meters:
     guard: NonFiniteGuard
     stragglers: StragglerWatch
     records: PendingRecords  # log records waiting for the other ranks' numbers
+    health: StepHealth  # the steps' check: anomaly -> replay -> verdict (trainer.health)
     memory_measure: memory_auto.Measure | None = None  # memory_every=auto: the first steps, until it settles
 
 

@@ -1,6 +1,7 @@
 """One optimizer step: forward and backward over the micro-batches (gradient accumulation), clipping,
-the non-finite guard, the optimizer step. `train_step` returns a small `StepResult`; what happens
-after the step (eval, logging, checkpoints) is the loop's."""
+the step's check (trainer.health: computed again when anomalous), the non-finite guard, the optimizer
+step. `train_step` returns a small `StepResult`; what happens after the step (eval, logging, checkpoints)
+is the loop's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 from data.stream import BatchWithPositions
 from trainer.config import Config
 from trainer.distributed import parallel
+from trainer.health.check import Computed, Outcome, StepHealth, Verdict
+from trainer.health.inject import corrupt_gradients
 from trainer.observability.metrics import StepTimer
 from trainer.recovery.grad_norm import clip_grad_norm
 
@@ -30,7 +33,8 @@ class NonFiniteError(RuntimeError):
 class StepResult:
     loss: torch.Tensor  # this rank's loss of the step (mean over its micro-batches), detached, not synced
     grad_norm: float  # global (every rank has the same)
-    skipped: bool  # non-finite loss or gradient: the optimizer step was not taken
+    skipped: bool  # the optimizer step was not taken: a non-finite loss or gradient, or data found at fault
+    verdict: Verdict | None = None  # what the step's check found (trainer.health), when it found something
 
 
 def micro_batches(batch: torch.Tensor | BatchWithPositions, size: int, cfg: Config,
@@ -46,12 +50,38 @@ def micro_batches(batch: torch.Tensor | BatchWithPositions, size: int, cfg: Conf
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros: list[Micro], cfg: Config,
-               info: parallel.DistInfo, timer: StepTimer, delay_s: float = 0.0) -> StepResult:
-    """Forward/backward over `micros` (gradients synced on the last), clip, and step unless non-finite.
+               info: parallel.DistInfo, timer: StepTimer, delay_s: float = 0.0, health: StepHealth | None = None,
+               step: int = 0) -> StepResult:
+    """Forward/backward over `micros` (gradients synced on the last), clip, check (`health`: the step may be
+    computed again, trainer.health.check), and step unless non-finite or skipped.
     `delay_s`: sleep that long in the forward/backward phase (an injected straggler, trainer.runtime.fault.slowdown)."""
     timer.start()
     if delay_s:
         time.sleep(delay_s)
+    rng = torch.get_rng_state() if health is not None else None
+    computed = _compute(model, micros, cfg, info, step, 0)
+    timer.mark()  # forward + backward done
+    outcome = Outcome(computed)
+    if health is not None:
+        replays = iter(range(1, 3))
+
+        def recompute() -> Computed:
+            torch.set_rng_state(rng)
+            model.zero_grad(set_to_none=True)
+            return _compute(model, micros, cfg, info, step, next(replays))
+
+        outcome = health.check(step, model, computed, recompute)
+    taken = outcome.apply and math.isfinite(outcome.computed.grad_norm)  # the norm is global: the same branch
+    if taken:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    timer.mark()  # optimizer done
+    return StepResult(outcome.computed.loss, outcome.computed.grad_norm, skipped=not taken, verdict=outcome.verdict)
+
+
+def _compute(model: torch.nn.Module, micros: list[Micro], cfg: Config, info: parallel.DistInfo, step: int,
+             computation: int) -> Computed:
+    """One computation of the step's gradients (reduced and clipped), its loss here and its global mean."""
     step_loss = torch.zeros((), device=info.device)
     for i, (micro, positions, mask) in enumerate(micros):
         parallel.set_gradient_sync(model, i == len(micros) - 1)
@@ -59,14 +89,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
             loss = model(micro[:, :-1], positions, targets=micro[:, 1:], mask=mask) / len(micros)
         loss.backward()
         step_loss += loss.detach()
-    timer.mark()  # forward + backward done
-    grad_norm = clip_grad_norm(model.parameters(), cfg.train.grad_clip or float("inf"))
-    finite = math.isfinite(grad_norm)  # the norm is global: every rank takes the same branch
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    timer.mark()  # optimizer done
-    return StepResult(step_loss, grad_norm, skipped=not finite)
+    total = step_loss.float().clone()
+    grad_norm = clip_grad_norm(model.parameters(), cfg.train.grad_clip or float("inf"), also=total)
+    corrupt_gradients(model, info.rank, step, computation)  # test-only hooks (trainer.health.inject)
+    return Computed(step_loss, grad_norm, float(total) / info.world)
 
 
 class NonFiniteGuard:

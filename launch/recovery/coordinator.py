@@ -23,6 +23,7 @@ Its clock is the wall clock (`time.time()`): the heartbeat records it compares w
 
 from __future__ import annotations
 
+from common.exits import EXIT_FAULTY, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
 from common.timing import (
     HANG_DEFER_S,
     HANG_EXIT_WAIT_S,
@@ -64,7 +65,7 @@ from launch.recovery.events import (
     WorldPublished,
 )
 from launch.recovery.states import HangKilled, Idle, Mode, Pending, Recorded, State, Told
-from trainer.contract import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE, GENERATION_ENV, HeartbeatRecord, next_generation
+from trainer.contract import GENERATION_ENV, HeartbeatRecord, next_generation
 
 
 class RecoveryCoordinator:
@@ -78,8 +79,9 @@ class RecoveryCoordinator:
         self.told: Told | None = None
         self.backoff_s = 0.0  # how long the next full restart backs off (the restart policy's word)
         self.deferred: tuple[tuple[int, int], float] | None = None  # a waiting rank's verdict put off: key, since
+        # Preempted (a SIGTERM): nothing more is started or judged (no ticks); a recovery under way is the ranks'.
         self._handlers = {GroupStarted: self._started, RanksExited: self._exited, GroupFailed: self._failed,
-                          Observed: self._observed, Preempted: self._preempted, Tick: self._tick,
+                          Observed: self._observed, Preempted: lambda e: [], Tick: self._tick,
                           HangFound: self._hang, WorldPublished: self._published, GroupLeft: self._left}
 
     def handle(self, event: Event) -> list[Action]:
@@ -120,10 +122,6 @@ class RecoveryCoordinator:
         self.generation, self.state, self.told = e.generation, Idle(), None
         return []
 
-    def _preempted(self, event: Preempted) -> list[Action]:  # noqa: ARG002
-        """Nothing more is started or judged (no ticks); a recovery under way is left to the ranks."""
-        return []
-
     def _exited(self, e: RanksExited) -> list[Action]:
         p = self.pending
         if p is not None and e.exits and set(e.exits) <= p.unaware:  # the survivors it had killed: start them too
@@ -139,9 +137,9 @@ class RecoveryCoordinator:
             return [*self._restarting(e.beats), LetFail()]
         if p is not None:
             return [*self._second_failure(p, failure.rank), LetFail()]
-        if failure.exit_code in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_STORAGE) or failure.cause in ("preemption",
-                                                                                                "storage"):
-            return [*self._restarting(e.beats), LetFail()]
+        if failure.exit_code in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_FAULTY) or failure.cause in (
+                "preemption", "storage"):
+            return [*self._restarting(e.beats, failure), LetFail()]
         if e.left_behind:  # it rejoins through the rendezvous, as a node joining
             return [*self._fallback("the other nodes went on without this one while it was silent", failure.rank),
                     LetFail()]
@@ -309,18 +307,20 @@ class RecoveryCoordinator:
         """Record the failure and ask the restart policy: [Record, Proceed | Stop]."""
         decision = self.policy.decide(failure)
         if not decision.restart:
-            return [Record(failure, traceback=traceback, path=path), Stop(decision)]
+            return [Record(failure, traceback=traceback, path=path),  # a faulty node leaves the rendezvous open
+                    Stop(decision, outvoted=decision.exit_code == EXIT_FAULTY)]
         what = ("going on in process" if failure.cause == "node" and path == "in-process" else
                 f"restarting {'the failed rank(s) alone' if path == 'in-process' else 'the worker group'}")
         line = f"{what} (restart {self.policy.restarts} of {self.policy.max_restarts})"
         self.backoff_s = decision.delay_s if path == "restart" else 0.0
         return [Record(failure, traceback=traceback, path=path), Proceed(line, delay_s=self.backoff_s)]
 
-    def _restarting(self, beats: Beats) -> list[Action]:
-        """Several nodes (`smaller`): this launcher restarts its group for a failure of its own ranks; the other
-        nodes' launchers hear it and wait for the group at the rendezvous, instead of going on without this
-        node after NODE_LOST_S and restarting again."""
-        return [Announce(self.next_generation(beats))] if self.mode.smaller else []
+    def _restarting(self, beats: Beats, failure: Failure | None = None) -> list[Action]:
+        """Several nodes (`smaller`): this launcher restarts its group for a failure of its own ranks; the others
+        hear it and wait for the group at the rendezvous, instead of going on without this node after NODE_LOST_S
+        and restarting again. Not for a faulty rank: its node is set aside, and lost to the others."""
+        faulty = failure is not None and failure.exit_code == EXIT_FAULTY
+        return [Announce(self.next_generation(beats))] if self.mode.smaller and not faulty else []
 
     @staticmethod
     def _fallback(why: str, rank: int) -> list[Action]:

@@ -38,6 +38,7 @@ class TrainState:
     tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it shares its tensor with
     model: dict[str, Any] = field(default_factory=dict)  # the model's arguments (ModelArgs); {} before they were kept
     config: dict[str, Any] = field(default_factory=dict)  # the run config (Config.to_dict); {} before it was kept
+    health: dict[str, Any] = field(default_factory=dict)  # the step checks' history (trainer.health); {}: none yet
 
 
 def step_dir(root: str, step: int) -> str:

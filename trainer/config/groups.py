@@ -154,6 +154,13 @@ class FaultConfig:
     straggler_s: float = setting(30.0, "ranks are compared over periods of at least this many seconds (whole log "
                                  "windows): slow over a period = a straggler (a `straggler` event); not slow over a "
                                  "later one = recovered", gt=0)
+    verify_every: int = setting(200, "replay a step every this many steps and compare every rank's results bit for "
+                                "bit (a spot check for silent data corruption, trainer.health); 0 = off", ge=0)
+    anomaly_window: int = setting(50, "a step whose loss is far above the last this many steps' (or whose loss or "
+                                  "gradient norm is non-finite) is replayed: hardware or data at fault "
+                                  "(trainer.health); 0 = non-finite steps only", ge=0)
+    anomaly_threshold: float = setting(10.0, "how far above: this many robust standard deviations (the median "
+                                       "absolute deviation) above the median", gt=0)
 
     def check(self, prefix: str = "") -> None:
         if self.node_silence_s < max(4 * INTERVAL_S, 2 * CONFIRM_S):

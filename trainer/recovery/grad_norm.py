@@ -20,10 +20,12 @@ EPS = 1e-6  # as torch.nn.utils.clip_grads_with_norm_
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                   also: torch.Tensor | None = None) -> float:
     """Scale the gradients in place so that their global L2 norm is at most `max_norm` (inf: measure
     only), as `torch.nn.utils.clip_grad_norm_` does; returns the norm before clipping (the same on
-    every rank; inf or nan when a gradient is not finite)."""
+    every rank; inf or nan when a gradient is not finite). `also` (a float32 scalar) is summed over the
+    ranks in place, in the same all-reduce."""
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
     if not grads:
@@ -31,11 +33,17 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     group = shard_group(grads)
     if group is False:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if also is not None and dist.is_initialized():
+            dist.all_reduce(also)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).square().sum()
     if group is not None:
-        dist.all_reduce(squares, group=group)
+        both = squares if also is None else torch.stack([squares, also.reshape(())])
+        dist.all_reduce(both, group=group)
+        squares = both if also is None else both[0]
+        if also is not None:
+            also.copy_(both[1].reshape(also.shape))
     total = squares.sqrt()
     if max_norm != float("inf"):
         torch._foreach_mul_(local, torch.clamp(max_norm / (total + EPS), max=1.0))

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 from common.exits import (  # noqa: F401 - the contract's exit codes (common.exits), read here by the trainer
     EXIT_CRASH_LOOP,
     EXIT_FAILED,
+    EXIT_FAULTY,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_STORAGE,

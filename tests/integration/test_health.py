@@ -1,0 +1,138 @@
+"""Faults that crash nothing, for real (two gloo ranks under torchrun, the real trainer; each fault injected
+through a test-only hook, trainer.health.inject and data.stream's REKINDLE_POISON): one bit flipped once in
+one rank's gradient, found by a spot check and the step redone; a poisoned stretch of data, its steps
+skipped, and the same samples skipped after a crash and a resume from before them; a rank whose results
+differ every time, named faulty."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+
+from tests.fixtures import kill_tree
+from tests.helpers import (
+    finish,
+    free_port,
+    launch,
+    load_final,
+    node_beat,
+    read_metrics,
+    run_trainer,
+    wait_for_event,
+    wait_for_one_group,
+)
+from trainer.runtime.protocol import read_events
+
+RUN = ["train.log_every=1", "train.eval_every=0", "checkpoint.memory_every=0"]
+
+
+def verdicts(run_dir) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == "verdict"]
+
+
+def same_run(a, b, steps: int, skipped: tuple = ()) -> None:
+    """Every step's loss (but those of `skipped` steps, not computed again after a resume) and the final
+    parameters, bit for bit."""
+    ours, theirs = read_metrics(a), read_metrics(b)
+    assert sorted(ours) == sorted(theirs) == list(range(1, steps + 1))
+    assert [ours[s]["loss"] for s in ours if s not in skipped] == [theirs[s]["loss"] for s in ours if s not in skipped]
+    mine, reference = load_final(a), load_final(b)
+    assert mine.keys() == reference.keys()
+    assert all(torch.equal(mine[k], reference[k]) for k in mine if k != "step"), "the final parameters differ"
+
+
+def test_a_bit_flipped_once_in_one_ranks_gradient_is_found_by_a_spot_check_and_the_step_redone(tmp_path):
+    """`fault.verify_every=10`; rank 1's gradient gets one bit flipped in the first computation of step 20 (a
+    mantissa bit: nothing anomalous). The spot check at step 20 replays it: rank 1's gradients differ, a
+    second replay agrees with the first, so the corruption was transient; the replay's results are applied.
+    The run is bit-identical to an uninterrupted one, and the ledger names step 20 and rank 1."""
+    run = [*RUN, "train.steps=24", "checkpoint.every=24", "fault.verify_every=10"]
+    run_trainer(tmp_path / "reference", run, nproc=2)
+    out = run_trainer(tmp_path / "flipped", run, nproc=2, env={"REKINDLE_FLIP_GRAD": "1@20"})
+    (found,) = verdicts(tmp_path / "flipped")
+    assert (found["kind"], found["step"], found["ranks"], found["spot_check"]) == ("transient", 20, [1], True), found
+    assert "rank 1: gradients" in found["evidence"], found
+    assert "a transient corruption on rank(s) [1]" in out.stdout + out.stderr
+    assert not verdicts(tmp_path / "reference")  # the spot checks at 10 and 20 agreed: no verdict
+    same_run(tmp_path / "flipped", tmp_path / "reference", 24)
+
+
+def test_a_poisoned_stretch_of_data_is_skipped_and_a_crash_after_it_resumes_with_the_same_skip(tmp_path):
+    """Stream positions 192-215 (steps 25-27 of a global batch of 8) are random tokens: their loss is far above
+    the last 20 steps'; each step is replayed, the replay agrees, so the data is at fault: the update is not
+    applied and the samples are recorded as skipped. A second run with the same poison crashes at step 32 and
+    resumes from its checkpoint of step 20, before the skip: it skips the same samples (from the ledger,
+    without judging them again) and is bit-identical to the first."""
+    run = [*RUN, "train.steps=40", "checkpoint.every=20", "fault.anomaly_window=20"]
+    poison = {"REKINDLE_POISON": "192-215"}
+    run_trainer(tmp_path / "whole", run, nproc=2, env=poison)
+    found = verdicts(tmp_path / "whole")
+    assert [(e["kind"], e["step"], e["samples"]) for e in found] == [
+        ("data", 25, [192, 200]), ("data", 26, [200, 208]), ("data", 27, [208, 216])], found
+    assert all("the replay agrees on every rank" in e["evidence"] for e in found), found
+    crashed = run_trainer(tmp_path / "crashed", run, nproc=2, env={**poison, "REKINDLE_FAIL_AT": "32:0"}, check=False)
+    assert crashed.returncode != 0
+    assert len(verdicts(tmp_path / "crashed")) == 3
+    run_trainer(tmp_path / "crashed", run, nproc=2, env=poison)
+    assert len(verdicts(tmp_path / "crashed")) == 3  # skipped again, not judged again
+    same_run(tmp_path / "crashed", tmp_path / "whole", 40, skipped=(25, 26, 27))
+
+
+def test_a_rank_whose_results_differ_every_time_is_named_faulty(tmp_path):
+    """Rank 1 flips a different gradient bit in every computation from step 5: the spot check at step 10
+    finds its results differ from the replay, and the second replay differs again. The ledger names rank 1
+    faulty, and that rank ends."""
+    run = [*RUN, "train.steps=12", "checkpoint.every=100", "fault.verify_every=10"]
+    out = run_trainer(tmp_path, run, nproc=2, env={"REKINDLE_CORRUPT_RANK": "1@5"}, check=False)
+    assert out.returncode != 0
+    (found,) = verdicts(tmp_path)
+    assert (found["kind"], found["step"], found["ranks"]) == ("faulty", 10, [1]), found
+    assert "this rank (rank 1) computes wrong results" in out.stdout + out.stderr, out.stderr[-3000:]
+
+
+def test_a_node_whose_rank_corrupts_every_step_is_set_aside_and_a_spare_takes_its_place(cache_dir, tmp_path):
+    """`--nnodes 1:2`, one rank per node, a spare waiting. The rank of node b flips a gradient bit in every
+    computation from step 5: the spot check at step 10 names it faulty. It writes its host to
+    run.dir/excluded-nodes and the ledger (`node_excluded`) and exits EXIT_FAULTY (5); its launcher leaves the
+    job with that code, the rendezvous left open. The other node's launcher takes node b for lost and claims
+    the spare, which starts the rank in its place in process; the run finishes."""
+    run_dir, steps = tmp_path / "run", 60
+    args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=faulty"]
+    run = [f"train.steps={steps}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
+           "checkpoint.memory_every=1", "fault.verify_every=10", "fault.straggler_factor=0"]
+    slow = {"REKINDLE_SLOW_RANK": f"0:0.2@1-{steps}"}
+
+    def node(name: str, env: dict) -> subprocess.Popen:
+        return launch(run_dir, [*run, f"checkpoint.memory_dir={tmp_path / name}"], nproc=1, extra_args=args,
+                      env={**slow, **env})
+
+    a = node("shm-a", {})
+    wait_for_event(run_dir, "rendezvous", launchers=[a])  # a hosts the store
+    b = node("shm-b", {"REKINDLE_CORRUPT_RANK": "*@5"})
+    procs = [a, b]
+    try:
+        wait_for_one_group(run_dir, procs, 1)
+        spare = node("shm-s", {})
+        procs.append(spare)
+        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=procs)
+        faulty_rank = node_beat(run_dir, b.pid).rank
+        out_b = finish(b, timeout=120)
+        outs = [finish(p, timeout=120) for p in (a, spare)]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert b.returncode == 5, out_b[-3000:]
+    assert "computes wrong results" in out_b and "set aside" in out_b, out_b[-3000:]
+    assert [a.returncode, spare.returncode] == [0, 0], [o[-3000:] for o in outs]
+    events = read_events(run_dir)
+    faulty = [e for e in events if e["event"] == "verdict"]
+    assert [(e["kind"], e["ranks"]) for e in faulty] == [("faulty", [faulty_rank])], faulty
+    (excluded,) = [e for e in events if e["event"] == "node_excluded"]
+    assert excluded["host"] == socket.gethostname() and excluded["rank"] == faulty_rank, excluded
+    assert Path(run_dir / "excluded-nodes").read_text().split() == [socket.gethostname()]
+    joined = [e for e in events if e["event"] == "spare_joined"]
+    assert [e["in_process"] for e in joined] == [True] and joined[0]["ranks"] == [faulty_rank], joined
+    assert read_metrics(run_dir)[steps]["step"] == steps
