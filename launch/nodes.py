@@ -42,7 +42,7 @@ class Membership:
         self.endpoint = "127.0.0.1"  # the rendezvous endpoint in use
         self.at = 0  # its index in the list
         self.liveness: Liveness | None = None
-        self._spare_since: float | None = None  # when this node was first seen waiting as a spare
+        self._spare_since: float | None = None  # since when this node waits as a spare (None: it does not)
         self._store = StoreQuestions()
         self.door: SpareDoor | None = None  # this spare's way into a running group in a lost node's place
 
@@ -97,17 +97,17 @@ class Membership:
         if self.liveness is not None and (group := agent.group()) is not None:
             name, rank, size = group
             self.liveness.join(f"{name}/g{generation}", rank, size)
-        if (generation == 0 or claim) and self._spare_since is not None and len(self.ledger.attempts) == 1:
-            waited = time.time() - self._spare_since
+        if (generation == 0 or claim) and self._spare_since is not None:
+            waited, self._spare_since = time.time() - self._spare_since, None
             how = f" in process, as rank(s) {claim['ranks']} of generation {generation}" if claim else ""
             log.info(f"this spare joins the job{how} after waiting {waited:.1f}s")
             self.ledger.event("spare_joined", waited_s=round(waited, 1), in_process=bool(claim),
                               **({"generation": generation, "ranks": claim["ranks"]} if claim else {}))
 
     def note_spare(self, agent) -> None:
-        """Between groups: say once that this node waits as a spare (its door opens from torch's join loop,
-        launch.rounds.claimable)."""
-        if self._spare_since is None and not self.ledger.attempts and agent.waiting_as_spare():
+        """Between groups: say that this node waits as a spare, once each time it does (at the start, or left out
+        of a round after a restart; its door opens from torch's join loop, launch.rounds.claimable)."""
+        if self._spare_since is None and agent.waiting_as_spare():
             self._spare_since = time.time()
             how = "in process, in the place of the next node lost" if agent.door else "at the next rendezvous"
             log.info(f"the job has its --nnodes MAX nodes: this node waits as a spare (its fork server ready) and "

@@ -287,7 +287,8 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_and_the_run_stays_bit_ident
         # the next spare instead of joining (which would drain and restart the group).
         live.append(node("shm-t"))
         procs.append(live[-1])
-        wait_for_event(run_dir, "spare_waiting", count=2, timeout=60, launchers=live)
+        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=live,
+                       where=lambda e: e["node"].endswith(f":{live[-1].pid}"))
         assert training(live) == [host, spare], "a launcher started as a spare joined the group"
         # Every node restarts through a rendezvous (a rank preempted): two of the three are seated.
         group = node_beat(run_dir, host.pid).group
@@ -304,11 +305,13 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_and_the_run_stays_bit_ident
         kill_tree(lost.pid)
         second_loss = time.time()
         live.remove(lost)
-        wait_for_event(run_dir, "spare_joined", count=2, timeout=60, launchers=live)
+        # (A launcher that waited as a spare and was seated by the restart says `spare_joined` too, not in process.)
+        wait_for_event(run_dir, "spare_joined", count=2, timeout=60, launchers=live, where=lambda e: e["in_process"])
         wait_for_event(run_dir, "in_process_done", count=2, timeout=60, launchers=live)
         live.append(node("shm-u"))
         procs.append(live[-1])
-        wait_for_event(run_dir, "spare_waiting", count=3, timeout=60, launchers=live)
+        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=live,
+                       where=lambda e: e["node"].endswith(f":{live[-1].pid}"))
         outs = [finish(p, timeout=120) for p in live]
     finally:
         for p in procs:
@@ -324,8 +327,8 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_and_the_run_stays_bit_ident
     done = [e for e in events if e["event"] == "in_process_done"]
     assert done[0]["spare"] == f"{socket.gethostname()}:{spare.pid}" and done[0]["kept_pids"] == [kept], done
     assert len(done) == 2 and done[1]["spare"], done  # the second loss: a spare too
-    second = [e for e in events if e["event"] == "spare_joined"][1]
-    assert second["in_process"] and second["node"] != f"{socket.gethostname()}:{lost.pid}", second
+    second = [e for e in events if e["event"] == "spare_joined" and e["in_process"]][1]
+    assert second["node"] != f"{socket.gethostname()}:{lost.pid}" and second["generation"] >= 1, second
     resumes = {e["tier"] for e in events if e["event"] == "resume" and e["time"] > joined["time"] - 5}
     assert "memory-peer" in resumes, events[-12:]
     assert "world 1 (gloo" not in "".join(outs), outs[0][-3000:]
