@@ -10,6 +10,9 @@
   6. where the step time goes (data wait / forward+backward / optimizer / comm wait);
   6b. the memory tier's cost: 2 ranks with checkpoint.memory_every=1 (every step snapshotted to
      memory) against the same runs without it, alternating (goal >= 0.97 of the tokens/s);
+  6c. the step checks' cost (trainer.health): 2 ranks with fault.verify_every at its default, off, and 1
+     (every step replayed, which prices one replay), alternating; the default's share of the step time
+     (goal <= 1%);
   7. on CPU, the peer the MFU goal comes from: a nanoGPT-style GPT-2 loop (`scripts/bench_peer.py`)
      at the sizes of the goal (4 layers x 256 and 6 x 384, batch 8, seq 256, vocab 8192), 1 thread,
      MFU by its own FLOP count against the peak measured around it;
@@ -102,7 +105,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0,
                     help="threads for the in-process trainer/bare comparison (default: all cores)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc,memory,peer")
+                    help="comma-separated parts to skip: ratio,ranks,compile,ac,malloc,memory,health,peer")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. model.n_layers=6")
     return ap.parse_args()
 
@@ -252,6 +255,30 @@ class Bench:
         self.results["memory"] = {"ratio": ratio}
         print(f"memory tier on/off: x{ratio:.3f} tokens/s (goal >= 0.97)")
 
+    def health(self) -> None:
+        """6c. 2 ranks, the step checks at their default, off, and on every step, alternating. A run is shorter
+        than the default interval: the default's cost is its cost per step (always on) plus one replay per
+        interval, priced by the every-step runs."""
+        if "health" in self.skip or (self.cores < 2 and not self.cuda):
+            return
+        default = self.cfg.fault.verify_every
+        print(f"\n## step checks (2 ranks x 1 thread, fault.verify_every={default} (default) vs 0 vs 1, {self.rounds} "
+              "round(s) alternating)")
+        got: dict[str, list[float]] = {"default": [], "off": [], "every": []}
+        for i in range(self.rounds):
+            for label, every in (("off", 0), ("default", default), ("every", 1)):
+                r = run_trainer(self.config, [*self.args.overrides, f"fault.verify_every={every}"], self.steps,
+                                self.window, nproc=2)
+                got[label].append(r["tokens_per_s"])
+                print(f"round {i + 1} verify_every={every:<4} {r['tokens_per_s']:9,.0f} tok/s")
+        off, on, every = (statistics.median(got[k]) for k in ("off", "default", "every"))
+        replay = off / every - 1  # one replay, as a share of a step
+        share = (off / on - 1) + (replay / default if default else 0.0)
+        self.results["health"] = {"share": share}
+        print(f"always on (no replay in {self.steps} steps): x{on / off:.3f} tokens/s; one replay costs "
+              f"{100 * replay:.0f}% of a step; at verify_every={default}: {100 * share:.2f}% of the step time "
+              "(goal <= 1%)")
+
     def peer(self) -> dict:
         """7. the peer of the CPU goal, in a fresh process with glibc's default malloc (as nanoGPT runs)."""
         peers: dict = {}
@@ -282,6 +309,7 @@ def main() -> None:
     bench.ranks()
     bench.options()
     bench.memory_tier()
+    bench.health()
     peers = bench.peer()
     print_goals(bench.args.config, ratio, bench.results, peers, bench.cuda)
 
@@ -294,6 +322,10 @@ def print_goals(config: str, ratio: float | None, results: dict, peers: dict, cu
     if "memory" in results:
         got = results["memory"]["ratio"]
         print(f"memory tier on/off tokens/s {got:.3f} (goal >= 0.97): {'met' if got >= 0.97 else 'NOT met'}")
+    if "health" in results:
+        got = results["health"]["share"]
+        print(f"step checks at their default: {100 * got:.2f}% of the step time (goal <= 1%): "
+              f"{'met' if got <= 0.01 else 'NOT met'}")
     if cuda:
         print("GPU MFU goal (>= 45%, configs/llama-1b.yaml, bf16 + compile): run scripts/gpu_check.sh")
         return

@@ -137,12 +137,12 @@ def test_model_group_is_the_models_own_arguments():
 # A checkpoint records its config's hash: moving code must not change them. A new key does (it is in
 # every config's dict): fault.in_process, 2026-12-05 (fault settings may change on resume);
 # checkpoint.memory_max_age_h and fault.node_silence_s, 2026-12-06 (may change on resume; memory snapshots'
-# hash leaves them out).
+# hash leaves them out); fault.verify_every, anomaly_window and anomaly_threshold, 2026-12-07.
 SHIPPED_CONFIG_HASHES = {
-    "smoke": "92a95a6d8753cf7d79d9db42e6a6912e2a42a73b07207e16197f7997e6fbab0f",
-    "default": "8caa0a99423013f03251280feef31a24b932dc56d639ccd4a9a084cd86219bef",
-    "gpt2-124m": "48a1b0acf8abb02d49909b00d27f1175f5cf9f8c0bd7badbffd26eda6feb534b",
-    "llama-1b": "2400f4a7e9b94bb3e29ffa5ecb44b587bb863a76a57178f30e91f0386a233e62",
+    "smoke": "521d4d60331cddf384dcabd663a2b1092942ced656793f895f0b3aab2f7c6728",
+    "default": "f16628f92a3efa0884be858c334a8c23a7cee5bb09ceecad4e5c000ddca4b4ba",
+    "gpt2-124m": "ea84119033e79342fd2e1f0ae062a6dbbbf524b09a469ce739d02e3e139a4324",
+    "llama-1b": "f762170bad833975fcc1428c8ff0b563ed4ec96a3ad8a66f5823f9dd44fe21ec",
 }
 
 
