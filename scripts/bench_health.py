@@ -1,6 +1,6 @@
 """What the step checks (trainer.health) cost and find, on 2 ranks (torchrun, gloo), in one run:
 
-    python scripts/bench_health.py [--steps 2000] [--configs configs/smoke.yaml,configs/default.yaml]
+    python scripts/bench_health.py [--configs configs/smoke.yaml:2000,configs/default.yaml:600] [--every 100]
 
 1. a bit flip -> its verdict: one gradient bit of rank 1 flipped in step S's first computation
    (REKINDLE_FLIP_GRAD), S a spot-check step (fault.verify_every=V): the verdict comes within that step,
@@ -9,8 +9,8 @@
 2. a rollback and skip: a poisoned stretch of data (REKINDLE_POISON) spanning three steps after the
    anomaly window: each is found anomalous, replayed once, and skipped (its update not applied); each such
    step's time against the median, and the samples skipped.
-3. the anomaly rule's false positives on clean runs of the shipped configs (`--configs`, each for its own
-   `train.steps` or `--steps`, whichever is smaller): `data` verdicts on clean data, per judged step.
+3. the anomaly rule's false positives on clean runs of the shipped configs (`--configs`, each `config:steps`):
+   `data` verdicts on clean data, per judged step.
 
 Spot checks' cost at their default: scripts/bench.py (section 6c)."""
 
@@ -34,8 +34,8 @@ from trainer.runtime.protocol import read_events  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2000, help="at most this many steps per clean run (3.)")
-    ap.add_argument("--configs", default="configs/smoke.yaml,configs/default.yaml", help="the clean runs (3.)")
+    ap.add_argument("--configs", default="configs/smoke.yaml:2000,configs/default.yaml:600",
+                    help="the clean runs, config:steps (3.)")
     ap.add_argument("--every", type=int, default=100, help="fault.verify_every of the flip run (1.)")
     return ap.parse_args()
 
@@ -96,11 +96,12 @@ def poison(tmp: Path) -> None:
           "step's samples, not trained on")
 
 
-def false_positives(tmp: Path, configs: list[str], most: int) -> None:
+def false_positives(tmp: Path, configs: list[str]) -> None:
     print("\n## 3. false positives on clean runs (2 ranks, the shipped configs, their default anomaly rule)")
-    for config in configs:
+    for item in configs:
+        config, _, steps = item.partition(":")
         cfg = config_.load(REPO / config)
-        steps = min(cfg.train.steps, most)
+        steps = int(steps or cfg.train.steps)
         run_dir = tmp / Path(config).stem
         wall = train(run_dir, config, [f"train.steps={steps}"])
         found = verdicts(run_dir)
@@ -116,7 +117,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-health-") as tmp:
         flip(Path(tmp), args.every)
         poison(Path(tmp))
-        false_positives(Path(tmp), args.configs.split(","), args.steps)
+        false_positives(Path(tmp), args.configs.split(","))
     return 0
 
 

@@ -108,9 +108,10 @@ def take_step(run: Run, meters: Meters, progress: Progress, micros: list) -> Ste
     step, stream = progress.state.step + 1, run.loader.stream
     end = stream.state.samples_consumed
     if stream.was_skipped(end - stream.geometry.global_batch, end):
-        meters.timer.start(), meters.timer.mark(), meters.timer.mark()
-        nan = torch.full((), float("nan"))
-        return StepResult(nan, float("nan"), skipped=True, verdict=None)
+        meters.timer.start()
+        meters.timer.mark()
+        meters.timer.mark()
+        return StepResult(torch.full((), float("nan")), float("nan"), skipped=True)
     return train_step(run.model, run.optimizer, micros, run.cfg, run.info, meters.timer,
                       fault.slowdown(step, run.info.rank), health=meters.health, step=step)
 

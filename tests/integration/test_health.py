@@ -6,6 +6,8 @@ differ every time, named faulty."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -23,6 +25,7 @@ from tests.helpers import (
     run_trainer,
     wait_for_event,
     wait_for_one_group,
+    wait_for_step,
 )
 from trainer.runtime.protocol import read_events
 
@@ -60,12 +63,13 @@ def test_a_bit_flipped_once_in_one_ranks_gradient_is_found_by_a_spot_check_and_t
     same_run(tmp_path / "flipped", tmp_path / "reference", 24)
 
 
-def test_a_poisoned_stretch_of_data_is_skipped_and_a_crash_after_it_resumes_with_the_same_skip(tmp_path):
+def test_a_poisoned_stretch_of_data_is_skipped_and_a_kill_after_it_resumes_with_the_same_skip(tmp_path):
     """Stream positions 192-215 (steps 25-27 of a global batch of 8) are random tokens: their loss is far above
     the last 20 steps'; each step is replayed, the replay agrees, so the data is at fault: the update is not
-    applied and the samples are recorded as skipped. A second run with the same poison crashes at step 32 and
-    resumes from its checkpoint of step 20, before the skip: it skips the same samples (from the ledger,
-    without judging them again) and is bit-identical to the first."""
+    applied and the samples are recorded as skipped. A second run with the same poison, under the launcher
+    (in-process recovery off), has its rank 0 SIGKILLed after step 30: the group restarts from its checkpoint
+    of step 20, before the skip, and skips the same samples (from the ledger, without judging them again);
+    the run is bit-identical to the first."""
     run = [*RUN, "train.steps=40", "checkpoint.every=20", "fault.anomaly_window=20"]
     poison = {"REKINDLE_POISON": "192-215"}
     run_trainer(tmp_path / "whole", run, nproc=2, env=poison)
@@ -73,12 +77,21 @@ def test_a_poisoned_stretch_of_data_is_skipped_and_a_crash_after_it_resumes_with
     assert [(e["kind"], e["step"], e["samples"]) for e in found] == [
         ("data", 25, [192, 200]), ("data", 26, [200, 208]), ("data", 27, [208, 216])], found
     assert all("the replay agrees on every rank" in e["evidence"] for e in found), found
-    crashed = run_trainer(tmp_path / "crashed", run, nproc=2, env={**poison, "REKINDLE_FAIL_AT": "32:0"}, check=False)
-    assert crashed.returncode != 0
-    assert len(verdicts(tmp_path / "crashed")) == 3
-    run_trainer(tmp_path / "crashed", run, nproc=2, env=poison)
-    assert len(verdicts(tmp_path / "crashed")) == 3  # skipped again, not judged again
-    same_run(tmp_path / "crashed", tmp_path / "whole", 40, skipped=(25, 26, 27))
+    killed = tmp_path / "killed"
+    proc = launch(killed, [*run, "fault.in_process=false", "train.eval_every=0"], nproc=2,
+                  env={**poison, "REKINDLE_SLOW_RANK": "0:0.2@28-40"})
+    try:
+        victim = wait_for_step(killed, 30, rank=0)
+        assert len(verdicts(killed)) == 3
+        os.kill(victim.pid, signal.SIGKILL)
+        out = finish(proc)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, out[-3000:]
+    resumed = next(e for e in read_events(killed) if e["event"] == "resume")
+    assert resumed["step"] == 20 and resumed["tier"] == "durable", resumed
+    assert len(verdicts(killed)) == 3  # skipped again, not judged again
+    same_run(killed, tmp_path / "whole", 40, skipped=(25, 26, 27))
 
 
 def test_a_rank_whose_results_differ_every_time_is_named_faulty(tmp_path):

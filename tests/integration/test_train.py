@@ -132,6 +132,10 @@ def test_non_finite_steps_are_skipped_then_abort_with_clear_error(cache_dir, tmp
     metrics = read_metrics(tmp_path)
     assert metrics[1]["skipped_steps"] == 0 and metrics[3]["skipped_steps"] == 2
     assert not list((tmp_path / "checkpoints").glob("step-*"))  # nothing bad was saved
+    # Each was replayed first (trainer.health): the same again, so the data's, and skipped.
+    found = [e for e in read_events(tmp_path) if e["event"] == "verdict"]
+    assert [(e["kind"], e["step"]) for e in found] == [("data", 2), ("data", 3), ("data", 4)], found
+    assert all(e["evidence"].startswith("non-finite") for e in found), found
 
 
 def test_resume_refuses_a_changed_model_and_lists_allowed_changes(cache_dir, tmp_path):
