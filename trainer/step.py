@@ -59,8 +59,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
     if delay_s:
         time.sleep(delay_s)
     rng = torch.get_rng_state() if health is not None else None
-    computed = _compute(model, micros, cfg, info, step, 0)
+    step_loss = _forward_backward(model, micros, cfg, info)
     timer.mark()  # forward + backward done
+    computed = _reduced(model, step_loss, cfg, info, step, 0)
     outcome = Outcome(computed)
     if health is not None:
         replays = iter(range(1, 3))
@@ -68,7 +69,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
         def recompute() -> Computed:
             torch.set_rng_state(rng)
             model.zero_grad(set_to_none=True)
-            return _compute(model, micros, cfg, info, step, next(replays))
+            return _reduced(model, _forward_backward(model, micros, cfg, info), cfg, info, step, next(replays))
 
         outcome = health.check(step, model, computed, recompute)
     taken = outcome.apply and math.isfinite(outcome.computed.grad_norm)  # the norm is global: the same branch
@@ -79,9 +80,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
     return StepResult(outcome.computed.loss, outcome.computed.grad_norm, skipped=not taken, verdict=outcome.verdict)
 
 
-def _compute(model: torch.nn.Module, micros: list[Micro], cfg: Config, info: parallel.DistInfo, step: int,
-             computation: int) -> Computed:
-    """One computation of the step's gradients (reduced and clipped), its loss here and its global mean."""
+def _forward_backward(model: torch.nn.Module, micros: list[Micro], cfg: Config, info: parallel.DistInfo
+                      ) -> torch.Tensor:
+    """The step's gradients (reduced on the last micro-batch); its loss here (mean over the micro-batches)."""
     step_loss = torch.zeros((), device=info.device)
     for i, (micro, positions, mask) in enumerate(micros):
         parallel.set_gradient_sync(model, i == len(micros) - 1)
@@ -89,6 +90,12 @@ def _compute(model: torch.nn.Module, micros: list[Micro], cfg: Config, info: par
             loss = model(micro[:, :-1], positions, targets=micro[:, 1:], mask=mask) / len(micros)
         loss.backward()
         step_loss += loss.detach()
+    return step_loss
+
+
+def _reduced(model: torch.nn.Module, step_loss: torch.Tensor, cfg: Config, info: parallel.DistInfo, step: int,
+             computation: int) -> Computed:
+    """One computation of the step, its gradients clipped: the global norm and mean loss (one all-reduce)."""
     total = step_loss.float().clone()
     grad_norm = clip_grad_norm(model.parameters(), cfg.train.grad_clip or float("inf"), also=total)
     corrupt_gradients(model, info.rank, step, computation)  # test-only hooks (trainer.health.inject)

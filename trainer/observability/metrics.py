@@ -90,7 +90,8 @@ def memory_mb(device: torch.device) -> float:
 
 class StepTimer:
     """Where the steps of a logging window spend their time, in seconds per step:
-    `fwd_bwd_s` (forward + backward of all micro-batches), `optim_s` (clip + optimizer step + zero_grad)
+    `fwd_bwd_s` (forward + backward of all micro-batches), `optim_s` (clip + optimizer step + zero_grad, and
+    the replays of a step that trainer.health checks)
     and, where a CommTimer measures it, `comm_wait_s` (blocking collectives, taken out of the two
     phases they happened in, so the parts do not overlap). Data wait is measured by the loop (LogWindow).
 
