@@ -108,11 +108,11 @@ def test_a_rank_whose_results_differ_every_time_is_named_faulty(tmp_path):
 
 def test_a_node_whose_rank_corrupts_every_step_is_set_aside_and_a_spare_takes_its_place(cache_dir, tmp_path):
     """`--nnodes 1:2`, one rank per node, a spare waiting. The rank of node b flips a gradient bit in every
-    computation from step 5: the spot check at step 10 names it faulty. It writes its host to
+    computation from step 45 (the spare waits by then): the spot check at step 50 names it faulty. It writes its host to
     run.dir/excluded-nodes and the ledger (`node_excluded`) and exits EXIT_FAULTY (5); its launcher leaves the
     job with that code, the rendezvous left open. The other node's launcher takes node b for lost and claims
     the spare, which starts the rank in its place in process; the run finishes."""
-    run_dir, steps = tmp_path / "run", 60
+    run_dir, steps = tmp_path / "run", 80
     args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=faulty"]
     run = [f"train.steps={steps}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
            "checkpoint.memory_every=1", "fault.verify_every=10", "fault.straggler_factor=0"]
@@ -124,7 +124,7 @@ def test_a_node_whose_rank_corrupts_every_step_is_set_aside_and_a_spare_takes_it
 
     a = node("shm-a", {})
     wait_for_event(run_dir, "rendezvous", launchers=[a])  # a hosts the store
-    b = node("shm-b", {"REKINDLE_CORRUPT_RANK": "*@5"})
+    b = node("shm-b", {"REKINDLE_CORRUPT_RANK": "*@45"})
     procs = [a, b]
     try:
         wait_for_one_group(run_dir, procs, 1)
