@@ -204,6 +204,13 @@ def test_after_a_store_move_a_node_alone_waits_for_the_others_before_going_on(st
     assert smaller_world(c, 2, 1, waited_s=0.5, last_endpoint=True) == ([0, 1, 6, 7], "", "")  # half, at the last
 
 
+def said_gone(store_at: str, index: int) -> None:
+    """Wait until the spare `index` said it left (`SpareDoor.leave` says so on a thread of its own: one still
+    connecting when the test's store goes away would stall the next test in a C++ connect for seconds)."""
+    spares = coordination_store(store_at, "job", "spares", 5.0)
+    assert wait_until(lambda: spares.check([f"{index}/gone"]), 5.0, 0.02), f"spare {index} never said it left"
+
+
 def test_a_spare_claimed_for_a_lost_node_starts_its_ranks_and_the_other_survivors_follow(store_at):
     """Three nodes of two ranks and a registered spare, node 0 lost: node 1's launcher claims the spare, which
     sees its claim stand (the world published for generation 1 names it) and gets node 0's place: its ranks,
@@ -221,6 +228,7 @@ def test_a_spare_claimed_for_a_lost_node_starts_its_ranks_and_the_other_survivor
         assert b.renumbered is None and c.renumbered is None  # the world keeps its size
         assert door.wait(5.0), "the spare never saw its claim stand"
         claim = door.take()
+        said_gone(store_at, door.index)
         assert (claim["generation"], claim["ranks"], claim["group_rank"], claim["world"]) == (1, [0, 1], 0, 6)
         assert not door.claimed() and door.take() is None  # once
         for rank in (2, 3):
@@ -256,8 +264,7 @@ def test_a_spare_that_joined_through_a_rendezvous_is_not_claimed_until_it_waits_
     try:
         first = door.index
         door.leave()
-        spares = coordination_store(store_at, "job", "spares", 5.0)
-        assert wait_until(lambda: spares.check([f"{first}/gone"]), 5.0, 0.02), "leaving was never said"
+        said_gone(store_at, first)
         assert not door.is_open
         b = Node(1, 2)
         for rank in (2, 3):
@@ -271,5 +278,6 @@ def test_a_spare_that_joined_through_a_rendezvous_is_not_claimed_until_it_waits_
             store.set(arrived_key(2, rank), "{}")
         assert smaller_world(b, 2, 1, waited_s=0.2) == ([0, 1], "", "spare-1")
         assert door.wait(5.0) and door.take()["generation"] == 2
+        said_gone(store_at, door.index)
     finally:
         door.close()
