@@ -193,6 +193,11 @@ class TokenStream:
         self.state.samples_consumed += g.global_batch
         return poisoned(self._samples(indices), position, self.shards.manifest.vocab_size)
 
+    def last_batch(self) -> tuple[int, int]:
+        """The stream positions [first, end) of the global batch handed out last."""
+        end = self.state.samples_consumed
+        return end - self.geometry.global_batch, end
+
     def skip(self, first: int, end: int) -> None:
         """Record that the run skipped the stream's positions [first, end) (kept in the data state)."""
         if [first, end] not in self.state.skipped:

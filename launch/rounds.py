@@ -138,7 +138,8 @@ class _Claimable:
             action = state_handler(ctx, deadline)
             if door is None or ctx.node not in state.redundancy_list:
                 return action
-            door.open()  # (once: at once, not at the supervisor's next look, or torch would pause a second first)
+            door.open()  # (a no-op while registered; at once, not at the supervisor's next look, or torch would
+            #              pause a second first)
             if not door.is_open:
                 return action
             if action == actions.SYNC:  # the round is full: torch would pause a second

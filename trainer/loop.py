@@ -106,8 +106,7 @@ def take_step(run: Run, meters: Meters, progress: Progress, micros: list) -> Ste
     """The step, checked (trainer.health); not computed when the run skipped its data before (a step run again
     after a resume: its update was not applied then either)."""
     step, stream = progress.state.step + 1, run.loader.stream
-    end = stream.state.samples_consumed
-    if stream.was_skipped(end - stream.geometry.global_batch, end):
+    if stream.was_skipped(*stream.last_batch()):
         meters.timer.start()
         meters.timer.mark()
         meters.timer.mark()
@@ -120,8 +119,7 @@ def say_verdict(run: Run, step: int, verdict: Verdict) -> None:
     """A step's check found something (trainer.health.check): data at fault (its samples skipped, in the data
     state), a transient corruption (the replay's results applied), or a faulty rank (this one ends)."""
     stream = run.loader.stream
-    end = stream.state.samples_consumed
-    first = end - stream.geometry.global_batch
+    first, end = stream.last_batch()
     if verdict.kind == "data":
         stream.skip(first, end)
     if run.info.is_main:

@@ -15,9 +15,8 @@ EXCLUDED_FILE = "excluded-nodes"
 
 def set_aside(run_dir: str, rank: int, step: int, why: str) -> str:
     """Name this node as faulty (once in the file; every time in the ledger); returns its host name."""
-    host = socket.gethostname()
-    path = Path(run_dir) / EXCLUDED_FILE
-    if host not in (path.read_text().split() if path.exists() else []):
+    host, path = socket.gethostname(), Path(run_dir) / EXCLUDED_FILE
+    if host not in excluded(run_dir):
         with path.open("a") as f:
             f.write(host + "\n")
     protocol.append_event(run_dir, "node_excluded", host=host, rank=rank, step=step, why=why, file=str(path))

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from trainer.health.replay import local_gradients
+from trainer.health.replay import AS_INTEGER, local_gradients
 
 FLIP_GRAD_ENV = "REKINDLE_FLIP_GRAD"
 CORRUPT_RANK_ENV = "REKINDLE_CORRUPT_RANK"
@@ -47,6 +47,6 @@ def _flip(model: torch.nn.Module, bit: int) -> None:
     if not grads:
         return
     flat = grads[0].detach().reshape(-1)
-    as_int = flat.view(torch.int32 if flat.dtype == torch.float32 else torch.int16)
+    as_int = flat.view(AS_INTEGER[flat.dtype])
     as_int[0] ^= 1 << (bit if flat.dtype == torch.float32 else bit % 7)
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-_AS_INTEGER = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+# The integer type of each float type's width: its bits read as a number.
+AS_INTEGER = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
                torch.float64: torch.int64}
 
 
@@ -22,7 +23,7 @@ def local_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
 def _bits_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum of the tensor's bits read as integers (int64): any flipped bit changes it."""
     flat = t.detach().contiguous().reshape(-1)
-    return flat.view(_AS_INTEGER[flat.dtype]).sum(dtype=torch.int64)
+    return flat.view(AS_INTEGER[flat.dtype]).sum(dtype=torch.int64)
 
 
 def fingerprint(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
