@@ -47,9 +47,12 @@ def _holder(path: Path) -> dict | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            with contextlib.suppress(ValueError, OSError):
+            try:
                 return json.loads(Path(path).read_text() or "{}")
-            return {}
+            except FileNotFoundError:  # its launcher ended (and removed it) between the two looks
+                return None
+            except (ValueError, OSError):
+                return {}
         path.unlink(missing_ok=True)  # its launcher is gone
         return None
     finally:

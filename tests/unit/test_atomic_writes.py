@@ -82,6 +82,27 @@ def test_the_launchers_lock_is_held_once_visible_and_gone_after(tmp_path):
     assert os.listdir(tmp_path / LOCKS) == []
 
 
+def test_a_lock_whose_launcher_ends_while_it_is_read_is_nobodys(tmp_path, monkeypatch):
+    """The holder still held it at the look, then ended and removed its file before the record was read (a
+    requeued job's old launcher exiting): nobody holds it, not "another job" (which refused the new one)."""
+    from pathlib import Path
+
+    from launch.lock import _holder, claim
+
+    with claim(tmp_path, "job-a") as path:
+        real = Path.read_text
+
+        def gone(self, *args, **kwargs):
+            if self == path:
+                raise FileNotFoundError(str(self))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", gone)
+        assert _holder(path) is None
+        monkeypatch.setattr(Path, "read_text", real)
+        assert _holder(path)["job"] == "job-a"  # held and readable: its record
+
+
 def test_the_fork_servers_temp_socket_path_fits(tmp_path, monkeypatch):
     from launch import zygote
 
