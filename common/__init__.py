@@ -9,5 +9,6 @@ imports nothing of theirs (a unit test holds it to that), and nothing of torch.
     clock     bounded waits: wait_until (poll until a deadline), call_bounded (a call on a thread, bounded)
     errors    the exception-chain walk, and the one "a peer rank is gone" classifier (exceptions and texts)
     net       whether anything listens at host:port, once or until a bound
+    exclusion the run's nodes set aside: run.dir/excluded-nodes
     timing    every fixed time (`*_S`) of the trainer and the launcher, and their orderings, checked
 """

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.exclusion import add_this_host
 from common.process import kill_group
 from launch import failures
 from launch.recovery import store
@@ -85,6 +86,10 @@ def _do(s: Supervisor, a: Action) -> None:
         s.ending.decision = a.decision
         s.ending.outvoted = s.ending.outvoted or a.outvoted  # the majority goes on: this node leaves it open
         s.agent.stop_restarts()
+        if a.decision.set_aside:  # its ranks failed too often (a rank found faulty names the node itself)
+            host, path = add_this_host(s.cfg.run.dir)
+            s.ledger.event("node_excluded", host=host, rank=a.failure.rank, step=a.failure.step, file=path,
+                           why=a.decision.reason.splitlines()[-1], by="launcher")
         log.info(a.decision.reason)
     elif isinstance(a, Note):
         if a.line:

@@ -82,8 +82,7 @@ class Supervisor:
         self.cfg, self.opts, f = cfg, opts, cfg.fault
         self.zygote: Zygote | None = zygote  # warm restarts' fork server (started by launch.__main__; None: off)
         max_restarts = f.max_restarts if opts.max_restarts is None else opts.max_restarts
-        policy = RestartPolicy(max_restarts, f.restart_backoff_s, crash_loop_repeats=f.crash_loop_repeats)
-        one = opts.max_nodes == 1
+        one, policy = opts.max_nodes == 1, RestartPolicy.of(f, max_restarts, opts.min_nodes < opts.max_nodes)
         mode = Mode(in_process=f.in_process, single_node=one,
                     smaller=f.in_process and opts.min_nodes < opts.max_nodes, min_nodes=opts.min_nodes)
         self.coordinator = RecoveryCoordinator(mode, policy)

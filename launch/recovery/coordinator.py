@@ -17,9 +17,8 @@ other nodes' launchers follow it (`Pending.followed`). Under `--nnodes MIN:MAX` 
 every rank waits for ranks of other nodes whose launcher said nothing (NODE_LOST_S) has a spare start the
 lost ranks, or sends its survivors on in a smaller world, as every other surviving node does (the first
 launcher's world to be published stands); a live node's launcher says at once that it handles its ranks'
-failure (`Announce`), and the others wait NODE_HANDLED_S for it at the rendezvous instead.
-
-Its clock is the wall clock (`time.time()`): the heartbeat records it compares with carry wall times."""
+failure (`Announce`), and the others wait NODE_HANDLED_S for it at the rendezvous instead. Its clock is the
+wall clock (`time.time()`): the heartbeat records it compares with carry wall times."""
 
 from __future__ import annotations
 
@@ -134,7 +133,7 @@ class RecoveryCoordinator:
         failure = self.state.failure if isinstance(self.state, HangKilled) else e.failure
         self.state = Idle() if isinstance(self.state, HangKilled) else self.state
         if not self.mode.in_process:
-            return [*self._restarting(e.beats), LetFail()]
+            return [*self._restarting(e.beats, failure), LetFail()]
         if p is not None:
             return [*self._second_failure(p, failure.rank), LetFail()]
         if failure.exit_code in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_FAULTY) or failure.cause in (
@@ -205,6 +204,7 @@ class RecoveryCoordinator:
         pids = {r: b.pid for r, b in e.beats.items()}
         kept = {lr: pids[rank] for lr, rank in e.ranks.items() if rank in pids}
         self.state = Pending(generation=generation, noticed=noticed, replaced=[], kept=kept, followed=True)
+        self.policy.failed_elsewhere()
         return [SegmentStarted(noticed=noticed, generation=generation)]
 
     def _tick(self, e: Tick) -> list[Action]:
@@ -308,7 +308,7 @@ class RecoveryCoordinator:
         decision = self.policy.decide(failure)
         if not decision.restart:
             return [Record(failure, traceback=traceback, path=path),  # a faulty node leaves the rendezvous open
-                    Stop(decision, outvoted=decision.exit_code == EXIT_FAULTY)]
+                    Stop(decision, outvoted=decision.exit_code == EXIT_FAULTY, failure=failure)]
         what = ("going on in process" if failure.cause == "node" and path == "in-process" else
                 f"restarting {'the failed rank(s) alone' if path == 'in-process' else 'the worker group'}")
         line = f"{what} (restart {self.policy.restarts} of {self.policy.max_restarts})"
@@ -318,9 +318,9 @@ class RecoveryCoordinator:
     def _restarting(self, beats: Beats, failure: Failure | None = None) -> list[Action]:
         """Several nodes (`smaller`): this launcher restarts its group for a failure of its own ranks; the others
         hear it and wait for the group at the rendezvous, instead of going on without this node after NODE_LOST_S
-        and restarting again. Not for a faulty rank: its node is set aside, and lost to the others."""
-        faulty = failure is not None and failure.exit_code == EXIT_FAULTY
-        return [Announce(self.next_generation(beats))] if self.mode.smaller and not faulty else []
+        and restarting again. Not when this node is set aside (a faulty rank, or too many failures): it is lost."""
+        aside = failure is not None and (failure.exit_code == EXIT_FAULTY or self.policy.sets_aside(failure))
+        return [Announce(self.next_generation(beats))] if self.mode.smaller and not aside else []
 
     @staticmethod
     def _fallback(why: str, rank: int) -> list[Action]:

@@ -172,10 +172,12 @@ class Proceed:
 @dataclass(frozen=True)
 class Stop:
     """The restart policy (or a partition verdict) stops the job here: `decision` carries the exit code.
-    `outvoted`: this node is the minority of a partition (it leaves the rendezvous open)."""
+    `outvoted`: this node is the minority of a partition, or set aside (it leaves the rendezvous open);
+    `failure`: the failure decided on, if any."""
 
     decision: Decision
     outvoted: bool = False
+    failure: Failure | None = None
 
 
 @dataclass(frozen=True)

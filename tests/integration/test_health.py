@@ -149,3 +149,51 @@ def test_a_node_whose_rank_corrupts_every_step_is_set_aside_and_a_spare_takes_it
     joined = [e for e in events if e["event"] == "spare_joined"]
     assert [e["in_process"] for e in joined] == [True] and joined[0]["ranks"] == [faulty_rank], joined
     assert read_metrics(run_dir)[steps]["step"] == steps
+
+
+def test_a_node_whose_rank_fails_again_and_again_is_set_aside_and_a_spare_takes_its_place(cache_dir, tmp_path):
+    """`--nnodes 1:2`, one rank per node, a spare waiting, `fault.node_failure_limit=2`. Node b's trainer
+    process (its heartbeat pid) is SIGKILLed once: replaced in process. Killed again: its ranks failed twice
+    and nowhere else did anything fail, so its launcher sets it aside: its host in run.dir/excluded-nodes and
+    a `node_excluded` record (by the launcher), exit EXIT_FAULTY (5), the rendezvous left open. Node a's
+    launcher takes node b for lost and claims the spare, which starts the rank in its place; the run
+    finishes."""
+    run_dir, steps = tmp_path / "run", 80
+    args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=flaky"]
+    run = [f"train.steps={steps}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
+           "checkpoint.memory_every=1", "fault.node_failure_limit=2", "fault.straggler_factor=0"]
+    slow = {"REKINDLE_SLOW_RANK": f"0:0.2@1-{steps}"}
+
+    def node(name: str) -> subprocess.Popen:
+        return launch(run_dir, [*run, f"checkpoint.memory_dir={tmp_path / name}"], nproc=1, extra_args=args, env=slow)
+
+    a = node("shm-a")
+    wait_for_event(run_dir, "rendezvous", launchers=[a])  # a hosts the store
+    b = node("shm-b")
+    procs = [a, b]
+    try:
+        wait_for_one_group(run_dir, procs, 5)
+        spare = node("shm-s")
+        procs.append(spare)
+        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=procs)
+        first = node_beat(run_dir, b.pid)
+        os.kill(first.pid, signal.SIGKILL)
+        wait_for_event(run_dir, "in_process_done", timeout=60, launchers=procs)
+        second = node_beat(run_dir, b.pid)
+        assert second.pid != first.pid, "node b's rank was not replaced"
+        os.kill(second.pid, signal.SIGKILL)
+        out_b = finish(b, timeout=120)
+        outs = [finish(p, timeout=120) for p in (a, spare)]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert b.returncode == 5, out_b[-3000:]
+    assert "failed 2 times" in out_b and "set aside" in out_b, out_b[-3000:]
+    assert [a.returncode, spare.returncode] == [0, 0], [o[-3000:] for o in outs]
+    events = read_events(run_dir)
+    (excluded,) = [e for e in events if e["event"] == "node_excluded"]
+    assert (excluded["host"], excluded["rank"], excluded["by"]) == (socket.gethostname(), first.rank, "launcher")
+    assert Path(run_dir / "excluded-nodes").read_text().split() == [socket.gethostname()]
+    joined = [e for e in events if e["event"] == "spare_joined"]
+    assert [e["in_process"] for e in joined] == [True] and joined[0]["ranks"] == [first.rank], joined
+    assert read_metrics(run_dir)[steps]["step"] == steps

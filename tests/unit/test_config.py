@@ -139,10 +139,10 @@ def test_model_group_is_the_models_own_arguments():
 # checkpoint.memory_max_age_h and fault.node_silence_s, 2026-12-06 (may change on resume; memory snapshots'
 # hash leaves them out); fault.verify_every, anomaly_window and anomaly_threshold, 2026-12-07.
 SHIPPED_CONFIG_HASHES = {
-    "smoke": "521d4d60331cddf384dcabd663a2b1092942ced656793f895f0b3aab2f7c6728",
-    "default": "f16628f92a3efa0884be858c334a8c23a7cee5bb09ceecad4e5c000ddca4b4ba",
-    "gpt2-124m": "ea84119033e79342fd2e1f0ae062a6dbbbf524b09a469ce739d02e3e139a4324",
-    "llama-1b": "f762170bad833975fcc1428c8ff0b563ed4ec96a3ad8a66f5823f9dd44fe21ec",
+    "smoke": "0d1b2007b9b7baf2a4d2e664c6d7111840ec464222070a8d70ed0b46a9a4dfea",
+    "default": "2d64aa7f64bac18b05ad2b26cd74bf35d351f9d23fa7aaa8609a3ea42684922a",
+    "gpt2-124m": "a73faa31b52fda7d82eeddfda1f7b0fedecbb959b9cabc2d6320f98ddc6a326a",
+    "llama-1b": "4fcc29dc617a9135fdfc8e149bc4061863ecf86d8cd3f99b86fdabd9141d7c56",
 }
 
 

@@ -15,7 +15,14 @@ from launch.ledger import Attempt, Ledger
 from launch.liveness import goes_on
 from launch.policy import RestartPolicy
 from tests.helpers import REPO
-from trainer.runtime.protocol import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_USAGE, read_events
+from trainer.runtime.protocol import (
+    EXIT_CRASH_LOOP,
+    EXIT_FAILED,
+    EXIT_FAULTY,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    read_events,
+)
 
 
 def kill(step: int, rank: int = 1) -> Failure:
@@ -58,6 +65,41 @@ def test_the_same_hang_again_and_again_is_a_crash_loop():
                      key="rank 0 stopped") for pid, s in ((101, 60.1), (202, 60.4), (303, 60.2))]
     assert policy.decide(hangs[0]).restart and policy.decide(hangs[1]).restart
     assert policy.decide(hangs[2]).exit_code == EXIT_CRASH_LOOP
+
+
+def test_a_node_whose_ranks_fail_again_and_again_is_set_aside_when_the_job_can_go_on_without_it():
+    """`node_failure_limit` failures of ranks here within the window, more than elsewhere meanwhile: set aside
+    (EXIT_FAULTY). Not on a job that cannot go on without the node, not for a victim's or a preempted
+    rank's exit, not once the failures age out of the window, not when the other nodes fail as often, and
+    not before a crash loop (a bug crashes the same way on any node)."""
+    now = [0.0]
+    policy = RestartPolicy(max_restarts=10, node_failure_limit=3, node_failure_window_s=100, can_set_aside=True,
+                           clock=lambda: now[0])
+    assert policy.decide(kill(5)).restart and policy.decide(kill(9)).restart
+    assert policy.decide(Failure(1, "exit", 11, 1, message="DistNetworkError: Connection reset by peer")).restart
+    assert policy.decide(Failure(1, "preemption", 12, EXIT_PREEMPTED)).restart
+    assert "failed 3 times" in policy.sets_aside(kill(14))
+    aside = policy.decide(kill(14))
+    assert (aside.restart, aside.exit_code, aside.set_aside) == (False, EXIT_FAULTY, True)
+    assert "failed 3 times in 100 s" in aside.reason and "excluded-nodes" in aside.reason
+
+    alone = RestartPolicy(max_restarts=10, node_failure_limit=3, can_set_aside=False)
+    assert all(alone.decide(kill(s)).restart for s in (5, 9, 14))  # one node: nowhere to go on
+
+    now[0], aged = 0.0, RestartPolicy(max_restarts=10, node_failure_limit=3, node_failure_window_s=100,
+                                      can_set_aside=True, clock=lambda: now[0])
+    for step, at in ((5, 0.0), (9, 50.0), (14, 120.0)):  # the first ages out
+        now[0] = at
+        assert aged.decide(kill(step)).restart
+
+    shared = RestartPolicy(max_restarts=10, node_failure_limit=2, can_set_aside=True)
+    shared.failed_elsewhere()
+    assert shared.decide(Failure(0, "node", 3, key="node lost")).restart  # another node lost
+    assert shared.decide(kill(5)).restart and shared.decide(kill(9)).restart  # 2 here, 2 elsewhere
+
+    looping = RestartPolicy(max_restarts=10, crash_loop_repeats=3, node_failure_limit=3, can_set_aside=True)
+    assert looping.decide(kill(7)).restart and looping.decide(kill(7)).restart
+    assert looping.decide(kill(7)).exit_code == EXIT_CRASH_LOOP
 
 
 def test_the_side_of_a_partition_that_goes_on():

@@ -140,6 +140,10 @@ class FaultConfig:
                                        ge=0)
     crash_loop_repeats: int = setting(3, "the same failure at the same step this many times in a row = crash loop",
                                       gt=0)
+    node_failure_limit: int = setting(3, "several nodes under --nnodes MIN:MAX: a node whose ranks fail (crash, "
+                                      "killed, hung) this many times within node_failure_window_s, more often than "
+                                      "the rest of the job, is set aside (run.dir/excluded-nodes); 0 = never", ge=0)
+    node_failure_window_s: float = setting(3600.0, "the window node_failure_limit counts in", gt=0)
     warm_restarts: bool = setting(True, "the launcher forks restarted ranks from a process with torch and the trainer "
                                   "already imported (launch.zygote) instead of starting Python afresh; false = off")
     in_process: bool = setting(True, "python -m launch: when a rank fails, the other ranks keep their processes "
