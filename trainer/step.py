@@ -15,8 +15,9 @@ import torch
 from data.stream import BatchWithPositions
 from trainer.config import Config
 from trainer.distributed import parallel
+from trainer.health import replay
 from trainer.health.check import Computed, Outcome, StepHealth, Verdict
-from trainer.health.inject import corrupt_gradients
+from trainer.health.inject import computed_wrong, corrupt_gradients
 from trainer.observability.metrics import StepTimer
 from trainer.recovery.grad_norm import clip_grad_norm
 
@@ -59,17 +60,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
     if delay_s:
         time.sleep(delay_s)
     rng = torch.get_rng_state() if health is not None else None
-    step_loss = _forward_backward(model, micros, cfg, info)
+    step_loss = _forward_backward(model, micros, cfg, info, step)
     timer.mark()  # forward + backward done
     computed = _reduced(model, step_loss, cfg, info, step, 0)
     outcome = Outcome(computed)
     if health is not None:
-        replays = iter(range(1, 3))
+        replays = iter(range(1, 4))
 
-        def recompute() -> Computed:
+        def recompute(elsewhere: bool = False) -> Computed:
+            """The step again from its starting state; `elsewhere`: the rank before's micro-batches here."""
             torch.set_rng_state(rng)
             model.zero_grad(set_to_none=True)
-            return _reduced(model, _forward_backward(model, micros, cfg, info), cfg, info, step, next(replays))
+            work = _regrouped(replay.theirs([t for m in micros for t in m])) if elsewhere else micros
+            with replay.probed(model) as sums:
+                step_loss = _forward_backward(model, work, cfg, info, step)
+            done = _reduced(model, step_loss, cfg, info, step, next(replays))
+            done.signature = replay.signature(step_loss, sums)
+            return done
 
         outcome = health.check(step, model, computed, recompute)
     taken = outcome.apply and math.isfinite(outcome.computed.grad_norm)  # the norm is global: the same branch
@@ -80,14 +87,19 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
     return StepResult(outcome.computed.loss, outcome.computed.grad_norm, skipped=not taken, verdict=outcome.verdict)
 
 
-def _forward_backward(model: torch.nn.Module, micros: list[Micro], cfg: Config, info: parallel.DistInfo
-                      ) -> torch.Tensor:
+def _regrouped(flat: list) -> list[Micro]:
+    return [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+
+
+def _forward_backward(model: torch.nn.Module, micros: list[Micro], cfg: Config, info: parallel.DistInfo,
+                      step: int = 0) -> torch.Tensor:
     """The step's gradients (reduced on the last micro-batch); its loss here (mean over the micro-batches)."""
     step_loss = torch.zeros((), device=info.device)
     for i, (micro, positions, mask) in enumerate(micros):
         parallel.set_gradient_sync(model, i == len(micros) - 1)
         with parallel.autocast(cfg.dist, info):
             loss = model(micro[:, :-1], positions, targets=micro[:, 1:], mask=mask) / len(micros)
+        loss = computed_wrong(loss, info.rank, step)  # a test-only hook (trainer.health.inject)
         loss.backward()
         step_loss += loss.detach()
     return step_loss

@@ -106,6 +106,21 @@ def test_a_rank_whose_results_differ_every_time_is_named_faulty(tmp_path):
     assert "this rank (rank 1) computes wrong results" in out.stdout + out.stderr, out.stderr[-3000:]
 
 
+def test_a_rank_that_computes_wrong_the_same_way_every_time_is_found_by_computing_its_work_elsewhere(tmp_path):
+    """Three ranks; rank 2 computes its losses 3x too large from step 25, the same way every time (a replay
+    agrees with it: alone, that would read as bad data). The loss of step 25 is anomalous; computed elsewhere,
+    rank 2's micro-batches (on rank 0) and those rank 2 computes for rank 1 disagree: rank 2 is named faulty,
+    not the data."""
+    run = [*RUN, "train.steps=28", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=100",
+           "fault.verify_every=0", "fault.anomaly_window=20"]
+    out = run_trainer(tmp_path, run, nproc=3, env={"REKINDLE_WRONG_RANK": "2@25"}, check=False)
+    assert out.returncode != 0
+    (found,) = verdicts(tmp_path)
+    assert (found["kind"], found["step"], found["ranks"]) == ("faulty", 25, [2]), found
+    assert "the replay agrees" in found["evidence"] and "elsewhere" in found["evidence"], found
+    assert "this rank (rank 2) computes wrong results" in out.stdout + out.stderr, out.stderr[-3000:]
+
+
 def test_a_node_whose_rank_corrupts_every_step_is_set_aside_and_a_spare_takes_its_place(cache_dir, tmp_path):
     """`--nnodes 1:2`, one rank per node, a spare waiting. The rank of node b flips a gradient bit in every
     computation from step 45 (the spare waits by then): the spot check at step 50 names it faulty. It writes its host to

@@ -11,6 +11,7 @@ import torch
 
 from trainer.health.anomaly import AnomalyRule
 from trainer.health.check import REPEATS, Computed, StepHealth
+from trainer.health.replay import wrong_ranks
 
 
 def test_the_rule_judges_a_loss_far_above_the_window_and_non_finite_values_only():
@@ -97,3 +98,20 @@ def test_a_rank_found_with_transient_corruptions_repeatedly_is_faulty():
     again = StepHealth(AnomalyRule(window=0), verify_every=1)
     again.load_state_dict(health.state_dict())
     assert again.named == health.named
+
+
+def test_a_rank_wrong_the_same_way_every_time_is_named_by_its_work_computed_elsewhere():
+    """`own[r]`: rank r's signature of its micro-batches; `moved[r]`: rank r's of rank r-1's. A wrong rank
+    disagrees on both; with two ranks nothing tells which one is wrong, so both are named."""
+    own = torch.tensor([[1, 10], [2, 20], [3, 30], [4, 40]])
+    moved = own.roll(1, dims=0)  # rank r computed rank r-1's micro-batches right
+    assert wrong_ranks(own, moved) == []
+    bad_own, bad_moved = own.clone(), moved.clone()
+    bad_own[2, 1] += 1  # rank 2 wrong on its own micro-batches
+    bad_moved[2, 0] += 1  # and on rank 1's
+    assert wrong_ranks(bad_own, bad_moved) == [2]
+    assert wrong_ranks(bad_own, moved) == []  # one disagreement alone names nobody
+    two, two_moved = own[:2].clone(), own[:2].roll(1, dims=0)
+    two[0, 0] += 1
+    two_moved[0, 0] += 1  # rank 0 computed rank 1's wrong too
+    assert wrong_ranks(two, two_moved) == [0, 1]

@@ -5,6 +5,9 @@
     REKINDLE_CORRUPT_RANK="rank[@first]"  a bit of `rank`'s gradient flipped in every computation from step
                                           `first` (default 1), a different bit each time (a faulty rank;
                                           rank `*`: every rank of the processes that have the variable)
+    REKINDLE_WRONG_RANK="rank[@first]"    `rank` computes every micro-batch's loss (and so its gradients)
+                                          3x too large from step `first`, the same way every time: a replay
+                                          agrees, only a computation elsewhere disagrees
 
 (A poisoned stretch of data, whose loss spikes the same every time: data.stream's REKINDLE_POISON.)
 
@@ -21,6 +24,8 @@ from trainer.health.replay import AS_INTEGER, local_gradients
 
 FLIP_GRAD_ENV = "REKINDLE_FLIP_GRAD"
 CORRUPT_RANK_ENV = "REKINDLE_CORRUPT_RANK"
+WRONG_RANK_ENV = "REKINDLE_WRONG_RANK"
+WRONG_FACTOR = 3.0
 
 
 def _rank_at(value: str, rank_here: int) -> tuple[int, int] | None:
@@ -40,6 +45,12 @@ def corrupt_gradients(model: torch.nn.Module, rank: int, step: int, computation:
         _flip(model, bit=20)
     elif faulty is not None and faulty[0] == rank and step >= faulty[1]:
         _flip(model, bit=10 + computation % 10)
+
+
+def computed_wrong(loss: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+    """A micro-batch's loss as a rank whose hardware computes wrong the same way every time has it."""
+    wrong = _rank_at(os.environ.get(WRONG_RANK_ENV, ""), rank)
+    return loss * WRONG_FACTOR if wrong is not None and wrong[0] == rank and step >= wrong[1] else loss
 
 
 def _flip(model: torch.nn.Module, bit: int) -> None:

@@ -1,9 +1,18 @@
 """What a replay compares: each rank's fingerprint of a step's results, the bits of its loss and a checksum
 of the bits of its gradient shards (after the gradients were reduced and clipped), gathered on every rank.
 A run is bit-identical to an uninterrupted one, so the same step computed twice on healthy hardware gives
-the same fingerprints on every rank; a rank whose fingerprint differs computed something else."""
+the same fingerprints on every rank; a rank whose fingerprint differs computed something else.
+
+A fault that computes wrong the same way every time replays the same. To see it, a rank's micro-batches are
+computed elsewhere: each rank computes the micro-batches of the rank before it (`theirs`), and the signatures
+of those computations (`probed`: the loss bits, and the bits of the gradient that reached the token
+embeddings through every layer's backward, both local to the rank that computed them) are compared with the
+owner's own (`wrong_ranks`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -51,3 +60,48 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> dict[int, list[str]]:
         if what:
             out[rank] = what
     return out
+
+
+@contextmanager
+def probed(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within: each backward's gradient at the token embeddings' output, as a bits sum, appended to the list."""
+    sums: list[torch.Tensor] = []
+
+    def on_forward(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if out.requires_grad:
+            out.register_hook(lambda grad: sums.append(_bits_sum(grad)))
+
+    handle = model.tok_embeddings.register_forward_hook(on_forward)
+    try:
+        yield sums
+    finally:
+        handle.remove()
+
+
+def signature(loss: torch.Tensor, sums: list[torch.Tensor]) -> torch.Tensor:
+    """A computation's signature, local to the rank that made it: (loss bits, embedding-gradient bits)."""
+    grads = torch.stack(sums).sum().to(loss.device) if sums else torch.zeros((), dtype=torch.int64, device=loss.device)
+    return torch.stack([_bits_sum(loss.float().reshape(1)).to(loss.device), grads])
+
+
+def theirs(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The same tensors of the rank before this one (its micro-batches, to compute here); None stays None."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: list[torch.Tensor | None] = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t.contiguous())
+        out.append(every[(rank - 1) % world])
+    return out
+
+
+def wrong_ranks(own: torch.Tensor, moved: torch.Tensor) -> list[int]:
+    """Ranks that computed wrong: `own[r]` is rank r's signature of its micro-batches, `moved[r]` rank r's of
+    rank r-1's. A rank is wrong when both its own micro-batches, computed by the next rank, and those it
+    computed for the rank before disagree. With two ranks both are named: nothing tells which one it is."""
+    world = own.shape[0]
+    off = {o for o in range(world) if not torch.equal(own[o], moved[(o + 1) % world])}
+    return [r for r in range(world) if r in off and (r - 1) % world in off]
