@@ -4,11 +4,14 @@
 
 1. a bit flip -> its verdict: one gradient bit of rank 1 flipped in step S's first computation
    (REKINDLE_FLIP_GRAD), S a spot-check step (fault.verify_every=V): the verdict comes within that step,
-   after two replays; the step's time against the run's median step. A flip in another step waits for the
-   next spot check: up to V steps more.
+   after three more computations (the replay, each rank's micro-batches computed elsewhere, a second
+   replay); the step's time against the run's median step. A flip in another step waits for the next spot
+   check: up to V steps more.
+   1b. on 3 ranks, a rank wrong the same way every time from step S (REKINDLE_WRONG_RANK: its replay
+   agrees): the verdict (faulty, from its micro-batches computed elsewhere) against the median step.
 2. a rollback and skip: a poisoned stretch of data (REKINDLE_POISON) spanning three steps after the
-   anomaly window: each is found anomalous, replayed once, and skipped (its update not applied); each such
-   step's time against the median, and the samples skipped.
+   anomaly window: each is found anomalous, replayed once and computed elsewhere, and skipped (its update
+   not applied); each such step's time against the median, and the samples skipped.
 3. the anomaly rule's false positives on clean runs of the shipped configs (`--configs`, each `config:steps`):
    `data` verdicts on clean data, per judged step.
 
@@ -40,14 +43,15 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def train(run_dir: Path, config: str, overrides: list[str], env: dict | None = None) -> float:
-    """A 2-rank run to its end; its wall time."""
+def train(run_dir: Path, config: str, overrides: list[str], env: dict | None = None, nproc: int = 2,
+          fails: bool = False) -> float:
+    """A run to its end (`fails`: one that must end with an error); its wall time."""
     args = [f"run.dir={run_dir}", "log.progress=false", "train.log_every=1", "train.eval_every=0",
             "checkpoint.memory_every=0", "checkpoint.every=100000", *overrides]
     started = time.monotonic()
-    proc = subprocess.run(trainer_cmd(2, REPO / config, args), cwd=REPO, env=child_env(**(env or {})),
+    proc = subprocess.run(trainer_cmd(nproc, REPO / config, args), cwd=REPO, env=child_env(**(env or {})),
                           capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
+    if (proc.returncode != 0) != fails:
         raise RuntimeError(f"{config} {overrides} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return time.monotonic() - started
 
@@ -72,10 +76,26 @@ def flip(tmp: Path, every: int) -> None:
     print(f"\n## 1. a bit flip -> its verdict (configs/smoke.yaml, 2 ranks, fault.verify_every={every}, flip at step "
           f"{at})")
     print(f"verdicts: {[(e['kind'], e['step'], e['ranks']) for e in found]}")
-    print(f"the flipped step {times[at]:.3f} s (the verdict at its end: its computation and two replays); a "
+    print(f"the flipped step {times[at]:.3f} s (the verdict at its end: its computation, two replays and one "
+          f"elsewhere); a "
           f"spot check that agrees {spot:.3f} s (one replay); a step {median:.3f} s (median)")
     print(f"flip -> verdict: {times[at]:.3f} s when the flip is in a spot-checked step; up to {every} steps "
           f"({every * median:.1f} s at this step time) more when it is in another")
+
+
+def wrong(tmp: Path) -> None:
+    cfg = config_.load(REPO / "configs/smoke.yaml")
+    at, run_dir = cfg.fault.anomaly_window + 20, tmp / "wrong"
+    train(run_dir, "configs/smoke.yaml", [f"train.steps={at + 5}", "train.global_batch=12", "train.micro_batch=2",
+                                          "fault.verify_every=0"], {"REKINDLE_WRONG_RANK": f"2@{at}"}, nproc=3,
+          fails=True)
+    metrics, found = read_metrics(run_dir), verdicts(run_dir)
+    median = statistics.median(r["step_time_s"] for s, r in metrics.items() if s > 5)
+    took = found[0]["time"] - metrics[at - 1]["time"] if found else float("nan")
+    print(f"\n## 1b. a rank wrong the same way every time (configs/smoke.yaml, 3 ranks, rank 2 from step {at})")
+    print(f"verdicts: {[(e['kind'], e['step'], e['ranks']) for e in found]}")
+    print(f"its first wrong step to the verdict: {took:.3f} s (its computation, a replay that agrees, and each "
+          f"rank's micro-batches computed elsewhere) against a step {median:.3f} s (median): {took / median:.2f}x")
 
 
 def poison(tmp: Path) -> None:
@@ -91,7 +111,8 @@ def poison(tmp: Path) -> None:
     print(f"\n## 2. a rollback and skip (configs/smoke.yaml, 2 ranks, samples of steps {first}-{first + 2} poisoned)")
     print(f"data verdicts at steps {sorted(skipped)}, samples {[e['samples'] for e in found]}")
     cost = [times[s] for s in sorted(skipped)]
-    print(f"each skipped step {statistics.median(cost):.3f} s (median; its computation and one replay, its update "
+    print(f"each skipped step {statistics.median(cost):.3f} s (median; its computation, one replay and one "
+          f"computed elsewhere, its update "
           f"not applied) against a step {median:.3f} s: {statistics.median(cost) / median:.2f}x a step, plus the "
           "step's samples, not trained on")
 
@@ -116,6 +137,7 @@ def main() -> int:
     args = parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-health-") as tmp:
         flip(Path(tmp), args.every)
+        wrong(Path(tmp))
         poison(Path(tmp))
         false_positives(Path(tmp), args.configs.split(","))
     return 0
