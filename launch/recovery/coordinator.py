@@ -237,7 +237,7 @@ class RecoveryCoordinator:
             # In process: kill the hung rank alone; its replacement is started as for a crash.
             self.state = HangKilled(failure=e.failure, at=e.now)
             return [Note(f"{e.failure.describe()}: killing it (pid {e.pid})"), Kill(rank=e.failure.rank, pid=e.pid)]
-        return [*self._restarting(e.beats), *self._decide(e.failure, "", "restart"), Restart()]
+        return [*self._restarting(e.beats, e.failure), *self._decide(e.failure, "", "restart"), Restart()]
 
     def _defer(self, e: HangFound) -> bool:
         """Several nodes, in process: a verdict on a rank that only waits is put off HANG_DEFER_S x (1 + this node's

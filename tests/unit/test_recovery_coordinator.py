@@ -287,3 +287,24 @@ def test_a_waiting_ranks_verdict_on_several_nodes_is_put_off_by_node_rank_and_a_
     assert isinstance(coordinator.handle(waiting(T0 + 4 * HANG_DEFER_S, step=6))[-1], Kill)
     for mode, verdict in [(NODES, hang()), (ONE_NODE, dataclasses.replace(hang(), waiting=True))]:
         assert isinstance(RecoveryCoordinator(mode, RestartPolicy(3)).handle(verdict)[-1], Kill)  # at once
+
+
+def test_a_node_whose_ranks_failed_too_often_is_set_aside_without_announcing_a_restart():
+    """The policy's node-failure limit reached on a rank's crash: the failure recorded, a Stop that leaves the
+    rendezvous open (outvoted) and carries the failure (its launcher names the node), and no Announce: the
+    others take this node for lost instead of waiting for it at the rendezvous. A recovery of another node's
+    failure, followed here, counts against the limit."""
+    coordinator = RecoveryCoordinator(SMALLER, RestartPolicy(10, node_failure_limit=2, can_set_aside=True))
+    assert Announce in [type(a) for a in coordinator.handle(rank_died(now=T0))]
+    coordinator.handle(GroupStarted(generation=5))
+    actions = coordinator.handle(rank_died(now=T0 + 60))
+    assert [type(a) for a in actions] == [Record, Stop, LetFail]
+    stop = actions[1]
+    assert stop.outvoted and stop.decision.set_aside and stop.decision.exit_code == 5 and stop.failure.rank == 1
+
+    followed = RecoveryCoordinator(SMALLER, RestartPolicy(10, node_failure_limit=2, can_set_aside=True))
+    followed.policy.failed_elsewhere()  # as `_follow` counts each recovery of another node's failure
+    followed.policy.failed_elsewhere()
+    followed.handle(rank_died(now=T0))
+    followed.handle(GroupStarted(generation=5))
+    assert Stop not in [type(a) for a in followed.handle(rank_died(now=T0 + 60))]  # 2 here, 2 elsewhere

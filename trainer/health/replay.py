@@ -92,9 +92,10 @@ def theirs(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         if t is None:
             out.append(None)
             continue
-        every = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(every, t.contiguous())
-        out.append(every[(rank - 1) % world])
+        sent = t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()  # gloo gathers no bool
+        every = [torch.empty_like(sent) for _ in range(world)]
+        dist.all_gather(every, sent)
+        out.append(every[(rank - 1) % world].to(t.dtype))
     return out
 
 
