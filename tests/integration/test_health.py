@@ -110,94 +110,79 @@ def test_a_rank_that_computes_wrong_the_same_way_every_time_is_found_by_computin
     assert "this rank (rank 2) computes wrong results" in out.stdout + out.stderr, out.stderr[-3000:]
 
 
-def test_a_node_whose_rank_corrupts_every_step_is_set_aside_and_a_spare_takes_its_place(cache_dir, tmp_path):
-    """`--nnodes 1:2`, one rank per node, a spare waiting. The rank of node b flips a gradient bit in every
-    computation from step 45 (the spare waits by then): the spot check at step 50 names it faulty. It writes its host to
-    run.dir/excluded-nodes and the ledger (`node_excluded`) and exits EXIT_FAULTY (5); its launcher leaves the
-    job with that code, the rendezvous left open. The other node's launcher takes node b for lost and claims
-    the spare, which starts the rank in its place in process; the run finishes."""
-    run_dir, steps = tmp_path / "run", 80
-    args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=faulty"]
-    run = [f"train.steps={steps}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
-           "checkpoint.memory_every=1", "fault.verify_every=10", "fault.straggler_factor=0"]
-    slow = {"REKINDLE_SLOW_RANK": f"0:0.2@1-{steps}"}
+STEPS = 80  # of the node tests: rank 0 slowed to 0.2 s a step, so that the spare waits before the fault
+
+
+def node_set_aside(tmp_path: Path, overrides: list[str], b_env: dict, fault) -> tuple[int, str]:
+    """`--nnodes 1:2`, one rank per node: node a (hosting the store), node b (`b_env`), and a spare started
+    once both train, waiting. `fault(run_dir, b, procs)` then strikes node b and returns its rank. Node b
+    must end with exit 5, its host set aside (run.dir/excluded-nodes and a `node_excluded` record), and the
+    spare start its rank in its place in process; the run finishes. Returns (b's rank, b's output)."""
+    run_dir = tmp_path / "run"
+    args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=aside"]
+    run = [f"train.steps={STEPS}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
+           "checkpoint.memory_every=1", "fault.straggler_factor=0", *overrides]
 
     def node(name: str, env: dict) -> subprocess.Popen:
         return launch(run_dir, [*run, f"checkpoint.memory_dir={tmp_path / name}"], nproc=1, extra_args=args,
-                      env={**slow, **env})
+                      env={"REKINDLE_SLOW_RANK": f"0:0.2@1-{STEPS}", **env})
 
     a = node("shm-a", {})
     wait_for_event(run_dir, "rendezvous", launchers=[a])  # a hosts the store
-    b = node("shm-b", {"REKINDLE_CORRUPT_RANK": "*@45"})
+    b = node("shm-b", b_env)
     procs = [a, b]
     try:
-        wait_for_one_group(run_dir, procs, 1)
+        wait_for_one_group(run_dir, procs, 5)
         spare = node("shm-s", {})
         procs.append(spare)
         wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=procs)
-        faulty_rank = node_beat(run_dir, b.pid).rank
+        rank = fault(run_dir, b, procs)
         out_b = finish(b, timeout=120)
         outs = [finish(p, timeout=120) for p in (a, spare)]
     finally:
         for p in procs:
             kill_tree(p.pid)
-    assert b.returncode == 5, out_b[-3000:]
-    assert "computes wrong results" in out_b and "set aside" in out_b, out_b[-3000:]
+    assert b.returncode == 5 and "set aside" in out_b, out_b[-3000:]
     assert [a.returncode, spare.returncode] == [0, 0], [o[-3000:] for o in outs]
     events = read_events(run_dir)
-    faulty = [e for e in events if e["event"] == "verdict"]
-    assert [(e["kind"], e["ranks"]) for e in faulty] == [("faulty", [faulty_rank])], faulty
     (excluded,) = [e for e in events if e["event"] == "node_excluded"]
-    assert excluded["host"] == socket.gethostname() and excluded["rank"] == faulty_rank, excluded
+    assert excluded["host"] == socket.gethostname() and excluded["rank"] == rank, excluded
     assert Path(run_dir / "excluded-nodes").read_text().split() == [socket.gethostname()]
     joined = [e for e in events if e["event"] == "spare_joined"]
-    assert [e["in_process"] for e in joined] == [True] and joined[0]["ranks"] == [faulty_rank], joined
-    assert read_metrics(run_dir)[steps]["step"] == steps
+    assert [e["in_process"] for e in joined] == [True] and joined[0]["ranks"] == [rank], joined
+    assert read_metrics(run_dir)[STEPS]["step"] == STEPS
+    return rank, out_b
+
+
+def test_a_node_whose_rank_corrupts_every_step_is_set_aside_and_a_spare_takes_its_place(cache_dir, tmp_path):
+    """The rank of node b flips a gradient bit in every computation from step 45 (the spare waits by then):
+    the spot check at step 50 finds its results differ from the replay, and differ again: faulty. It writes
+    its host to run.dir/excluded-nodes and the ledger (`node_excluded`) and exits EXIT_FAULTY (5); its
+    launcher leaves the job with that code, the rendezvous left open. The other node's launcher takes node b
+    for lost and claims the spare, which starts the rank in its place in process; the run finishes."""
+    rank, out_b = node_set_aside(tmp_path, ["fault.verify_every=10"], {"REKINDLE_CORRUPT_RANK": "*@45"},
+                                 lambda run_dir, b, procs: node_beat(run_dir, b.pid).rank)
+    assert "computes wrong results" in out_b, out_b[-3000:]
+    verdict = [e for e in read_events(tmp_path / "run") if e["event"] == "verdict"]
+    assert [(e["kind"], e["step"], e["ranks"]) for e in verdict] == [("faulty", 50, [rank])], verdict
+    assert [e["by"] for e in read_events(tmp_path / "run") if e["event"] == "node_excluded"] == ["trainer"]
 
 
 def test_a_node_whose_rank_fails_again_and_again_is_set_aside_and_a_spare_takes_its_place(cache_dir, tmp_path):
-    """`--nnodes 1:2`, one rank per node, a spare waiting, `fault.node_failure_limit=2`. Node b's trainer
-    process (its heartbeat pid) is SIGKILLed once: replaced in process. Killed again: its ranks failed twice
-    and nowhere else did anything fail, so its launcher sets it aside: its host in run.dir/excluded-nodes and
-    a `node_excluded` record (by the launcher), exit EXIT_FAULTY (5), the rendezvous left open. Node a's
-    launcher takes node b for lost and claims the spare, which starts the rank in its place; the run
-    finishes."""
-    run_dir, steps = tmp_path / "run", 80
-    args = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=flaky"]
-    run = [f"train.steps={steps}", "train.global_batch=12", "train.micro_batch=2", "checkpoint.every=200",
-           "checkpoint.memory_every=1", "fault.node_failure_limit=2", "fault.straggler_factor=0"]
-    slow = {"REKINDLE_SLOW_RANK": f"0:0.2@1-{steps}"}
+    """`fault.node_failure_limit=2`. Node b's trainer process (its heartbeat pid) is SIGKILLed once: replaced
+    in process. Killed again: its ranks failed twice and nowhere else did anything fail, so its launcher sets
+    it aside (`node_excluded` by the launcher, exit 5, the rendezvous left open), and the spare takes its
+    place."""
 
-    def node(name: str) -> subprocess.Popen:
-        return launch(run_dir, [*run, f"checkpoint.memory_dir={tmp_path / name}"], nproc=1, extra_args=args, env=slow)
-
-    a = node("shm-a")
-    wait_for_event(run_dir, "rendezvous", launchers=[a])  # a hosts the store
-    b = node("shm-b")
-    procs = [a, b]
-    try:
-        wait_for_one_group(run_dir, procs, 5)
-        spare = node("shm-s")
-        procs.append(spare)
-        wait_for_event(run_dir, "spare_waiting", timeout=60, launchers=procs)
+    def killed_twice(run_dir: Path, b: subprocess.Popen, procs: list) -> int:
         first = node_beat(run_dir, b.pid)
         os.kill(first.pid, signal.SIGKILL)
         wait_for_event(run_dir, "in_process_done", timeout=60, launchers=procs)
         second = node_beat(run_dir, b.pid)
         assert second.pid != first.pid, "node b's rank was not replaced"
         os.kill(second.pid, signal.SIGKILL)
-        out_b = finish(b, timeout=120)
-        outs = [finish(p, timeout=120) for p in (a, spare)]
-    finally:
-        for p in procs:
-            kill_tree(p.pid)
-    assert b.returncode == 5, out_b[-3000:]
-    assert "failed 2 times" in out_b and "set aside" in out_b, out_b[-3000:]
-    assert [a.returncode, spare.returncode] == [0, 0], [o[-3000:] for o in outs]
-    events = read_events(run_dir)
-    (excluded,) = [e for e in events if e["event"] == "node_excluded"]
-    assert (excluded["host"], excluded["rank"], excluded["by"]) == (socket.gethostname(), first.rank, "launcher")
-    assert Path(run_dir / "excluded-nodes").read_text().split() == [socket.gethostname()]
-    joined = [e for e in events if e["event"] == "spare_joined"]
-    assert [e["in_process"] for e in joined] == [True] and joined[0]["ranks"] == [first.rank], joined
-    assert read_metrics(run_dir)[steps]["step"] == steps
+        return first.rank
+
+    _, out_b = node_set_aside(tmp_path, ["fault.node_failure_limit=2"], {}, killed_twice)
+    assert "failed 2 times" in out_b, out_b[-3000:]
+    assert [e["by"] for e in read_events(tmp_path / "run") if e["event"] == "node_excluded"] == ["launcher"]
