@@ -222,7 +222,7 @@ class SupervisedAgent(LocalElasticAgent):
             return None
         return {"round": self.meeting.name, "ranks": sorted(lost), "group_rank": min(lost) // len(lost),
                 "group_world_size": g.group_world_size, "world": self.world_size(), "nproc": len(lost),
-                "master_addr": g.master_addr, "master_port": g.master_port}
+                "master_addr": g.master_addr, "master_port": g.master_port, "holdings": self.meeting.holdings()}
 
     def _take_place(self, worker_group, claim: dict | None) -> bool:
         """A spare claimed for a lost node: that node's ranks, the same global ranks and world size, in the
@@ -236,7 +236,7 @@ class SupervisedAgent(LocalElasticAgent):
         worker_group.store = self._store = store
         worker_group.group_rank, worker_group.group_world_size = claim["group_rank"], claim["group_world_size"]
         worker_group.master_addr, worker_group.master_port = claim["master_addr"], claim["master_port"]
-        self.meeting, self.door.joined = Round(claim["round"]), claim
+        self.meeting, self.door.joined = Round.joined(claim["round"], claim.get("holdings", [])), claim
         os.environ.update({ROUND_ENV: claim["round"], GENERATION_ENV: str(claim["generation"])})
         keep_seat(self.spec.rdzv_handler)
         return True

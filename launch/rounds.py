@@ -43,6 +43,17 @@ class Round:
         kept = {node: held for node, held in kept.items() if held}
         return Round(self.name, (frozenset(kept) | {this_node}) & self.nodes, kept)
 
+    def holdings(self) -> list[list[int]]:
+        """Which global ranks each node holds, as plain data (a spare's claim carries it)."""
+        return [sorted(held) for held in self.ranks.values()]
+
+    @classmethod
+    def joined(cls, name: str, holdings: list[list[int]]) -> Round:
+        """The round a spare joins in a lost node's place, as its claimant knew it: which ranks each node holds,
+        the nodes by number (their identities are not the spare's to know). With it the spare's launcher can
+        tell a later lost node's ranks, and claim a spare for them."""
+        return cls(name, frozenset(), {i: frozenset(held) for i, held in enumerate(holdings)})
+
     def moved(self, name: str) -> Round:
         """The same group under another name (its keys on the store the job moved to)."""
         return Round(name, self.nodes, self.ranks)

@@ -6,6 +6,7 @@ membership change)."""
 
 from __future__ import annotations
 
+import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import rendezvous
-from launch.rounds import nodes_that_left, round_of
+from launch.rounds import Round, nodes_that_left, round_of
 from tests.helpers import wait_for
 from trainer.runtime.protocol import COORD_STORE_ENV
 
@@ -55,8 +56,6 @@ def test_a_node_of_the_round_meeting_again_is_a_failure_there_and_a_new_node_a_m
 
 
 def test_a_round_renumbered_for_a_smaller_world_keeps_only_the_nodes_that_hold_ranks():
-    from launch.rounds import Round
-
     met = Round("r2", frozenset("abc"), {"a": frozenset({0, 1}), "b": frozenset({2, 3}), "c": frozenset({4, 5})})
     assert met.nodes_of([1, 4]) == 2 and Round().nodes_of([0]) is None
     smaller = met.renumbered({2: 0, 3: 1, 4: 2, 5: 3}, this_node="b")  # node a lost
@@ -133,3 +132,16 @@ def test_a_claimed_spare_takes_the_lost_nodes_seat_a_spare_holds_and_a_leftover_
     assert state.wait_list == set() and state.redundancy_list == {"w"}
     torch_says.append(actions.SYNC)
     assert bare(SimpleNamespace(node="w", state=state, settings=ctx.settings), 0) == actions.SYNC  # torch's pause
+
+
+def test_a_spare_joins_knowing_which_ranks_each_node_holds():
+    """A spare that took a lost node's place must tell a later lost node's ranks from those of several nodes
+    (`place_of`: a spare is claimed only for exactly one node's ranks): the claim carries the claimant's view
+    of the round. Without it, a spare-joined launcher that published first after a second node loss shrank
+    the world although a spare was waiting (found by the 3-node chaos run)."""
+    met = Round("r2", frozenset("abc"), {"a": frozenset({0, 1}), "b": frozenset({2, 3}), "c": frozenset({4, 5})})
+    joined = Round.joined("r2", json.loads(json.dumps(met.holdings())))  # through the store, as JSON
+    assert joined.name == "r2" and sorted(map(sorted, joined.ranks.values())) == [[0, 1], [2, 3], [4, 5]]
+    assert frozenset({4, 5}) in joined.ranks.values() and frozenset({3, 4}) not in joined.ranks.values()
+    assert joined.nodes_of([1, 4]) == 2
+    assert Round.joined("r2", []).nodes_of([0]) is None  # a claim without it: not known, as before
