@@ -15,6 +15,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import rendezvous
+from launch.agent import SupervisedAgent
 from launch.rounds import Round, nodes_that_left, round_of
 from tests.helpers import wait_for
 from trainer.runtime.protocol import COORD_STORE_ENV
@@ -145,3 +146,14 @@ def test_a_spare_joins_knowing_which_ranks_each_node_holds():
     assert frozenset({4, 5}) in joined.ranks.values() and frozenset({3, 4}) not in joined.ranks.values()
     assert joined.nodes_of([1, 4]) == 2
     assert Round.joined("r2", []).nodes_of([0]) is None  # a claim without it: not known, as before
+
+    # The agent's side: the claim a survivor makes for node b's ranks carries it, and the spare that joins
+    # with it can place node c's ranks in turn (and no set of ranks that is not one node's).
+    def agent(meeting: Round) -> SimpleNamespace:
+        group = SimpleNamespace(group_rank=0, group_world_size=3, master_addr="127.0.0.1", master_port=1)
+        return SimpleNamespace(meeting=meeting, _worker_group=group, world_size=lambda: 6)
+
+    claim = json.loads(json.dumps(SupervisedAgent.place_of(agent(met), [2, 3])))
+    spare = agent(Round.joined(claim["round"], claim["holdings"]))
+    assert SupervisedAgent.place_of(spare, [4, 5])["ranks"] == [4, 5]
+    assert SupervisedAgent.place_of(spare, [3, 4]) is None
