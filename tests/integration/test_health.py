@@ -8,11 +8,13 @@ and one whose rank fails again and again, set aside with a spare in its place.""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.fixtures import kill_tree
@@ -70,7 +72,8 @@ def test_a_poisoned_stretch_of_data_is_skipped_and_a_kill_after_it_resumes_with_
     applied and the samples are recorded as skipped. A second run with the same poison, under the launcher
     (in-process recovery off), has its rank 0 SIGKILLed after step 30: the group restarts from its checkpoint
     of step 20, before the skip, and skips the same samples (from the ledger, without judging them again);
-    the run is bit-identical to the first."""
+    the run is bit-identical to the first. Resumed on one rank from that checkpoint (resharded), the first run
+    skips the same samples too."""
     run = [*RUN, "train.steps=40", "checkpoint.every=20", "fault.anomaly_window=20"]
     poison = {"REKINDLE_POISON": "192-215"}
     run_trainer(tmp_path / "whole", run, nproc=2, env=poison)
@@ -93,6 +96,19 @@ def test_a_poisoned_stretch_of_data_is_skipped_and_a_kill_after_it_resumes_with_
     assert resumed["step"] == 20 and resumed["tier"] == "durable", resumed
     assert len(verdicts(killed)) == 3  # skipped again, not judged again
     same_run(killed, tmp_path / "whole", 40, skipped=(25, 26, 27))
+
+    # Resharded: the first run, resumed on one rank from its checkpoint of step 20, skips the same samples
+    # (from the ledger, not judged again); its losses agree with the two ranks' to float tolerance.
+    one = tmp_path / "one-rank"
+    shutil.copytree(tmp_path / "whole", one)
+    shutil.rmtree(one / "checkpoints" / "step-00000040")
+    out = run_trainer(one, run, nproc=1, env=poison)
+    assert "resumed from step 20" in out.stdout + out.stderr, out.stderr[-3000:]
+    assert len(verdicts(one)) == 3, verdicts(one)
+    ours, theirs = read_metrics(one), read_metrics(tmp_path / "whole")
+    assert ours[40]["skipped_steps"] == 3, ours[40]
+    assert [ours[s]["loss"] for s in range(28, 41)] == pytest.approx([theirs[s]["loss"] for s in range(28, 41)],
+                                                                      rel=1e-4)
 
 
 def test_a_rank_that_computes_wrong_the_same_way_every_time_is_found_by_computing_its_work_elsewhere(tmp_path):
