@@ -71,7 +71,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
             """The step again from its starting state; `elsewhere`: the rank before's micro-batches here."""
             torch.set_rng_state(rng)
             model.zero_grad(set_to_none=True)
-            work = _regrouped(replay.theirs([t for m in micros for t in m])) if elsewhere else micros
+            work = [tuple(map(replay.theirs, m)) for m in micros] if elsewhere else micros
             with replay.probed(model) as sums:
                 step_loss = _forward_backward(model, work, cfg, info, step)
             done = _reduced(model, step_loss, cfg, info, step, next(replays))
@@ -85,10 +85,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micros:
     optimizer.zero_grad(set_to_none=True)
     timer.mark()  # optimizer done
     return StepResult(outcome.computed.loss, outcome.computed.grad_norm, skipped=not taken, verdict=outcome.verdict)
-
-
-def _regrouped(flat: list) -> list[Micro]:
-    return [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
 
 
 def _forward_backward(model: torch.nn.Module, micros: list[Micro], cfg: Config, info: parallel.DistInfo,

@@ -37,10 +37,7 @@ def _bits_sum(t: torch.Tensor) -> torch.Tensor:
 
 def fingerprint(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
     """This rank's (loss bits, gradient bits checksum), int64, on the loss's device."""
-    grads = local_gradients(model)
-    checksum = torch.stack([_bits_sum(g).to(loss.device) for g in grads]).sum() if grads else torch.zeros(
-        (), dtype=torch.int64, device=loss.device)
-    return torch.stack([_bits_sum(loss.float().reshape(1)).to(loss.device), checksum])
+    return signature(loss, [_bits_sum(g) for g in local_gradients(model)])
 
 
 def gathered(mine: torch.Tensor) -> torch.Tensor:
@@ -79,24 +76,21 @@ def probed(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 
 
 def signature(loss: torch.Tensor, sums: list[torch.Tensor]) -> torch.Tensor:
-    """A computation's signature, local to the rank that made it: (loss bits, embedding-gradient bits)."""
-    grads = torch.stack(sums).sum().to(loss.device) if sums else torch.zeros((), dtype=torch.int64, device=loss.device)
-    return torch.stack([_bits_sum(loss.float().reshape(1)).to(loss.device), grads])
+    """(loss bits, the sum of `sums`: bits sums of gradients), int64, on the loss's device: a fingerprint's
+    (gradient shards), or a computation's signature local to the rank that made it (embedding gradients)."""
+    total = torch.stack([t.to(loss.device) for t in sums]).sum() if sums else torch.zeros(
+        (), dtype=torch.int64, device=loss.device)
+    return torch.stack([_bits_sum(loss.float().reshape(1)).to(loss.device), total])
 
 
-def theirs(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """The same tensors of the rank before this one (its micro-batches, to compute here); None stays None."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    out: list[torch.Tensor | None] = []
-    for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        sent = t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()  # gloo gathers no bool
-        every = [torch.empty_like(sent) for _ in range(world)]
-        dist.all_gather(every, sent)
-        out.append(every[(rank - 1) % world].to(t.dtype))
-    return out
+def theirs(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The same tensor of the rank before this one (of its micro-batches, to compute here); None stays None."""
+    if t is None:
+        return None
+    sent = t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()  # gloo gathers no bool
+    every = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, sent)
+    return every[(dist.get_rank() - 1) % len(every)].to(t.dtype)
 
 
 def wrong_ranks(own: torch.Tensor, moved: torch.Tensor) -> list[int]:
